@@ -1,0 +1,1 @@
+"""Parallel-corpus ingestion: readers, cleaning, prompts, tokenization, packing, the Ray Data pipeline."""
