@@ -1,0 +1,353 @@
+"""The typed configuration tree: the single source of every default.
+
+Each field is documented once (its docstring), validated once (pydantic, plus the cross-field checks in
+``Config``), defaulted once (here). Presets in ``jobs/configs/*.yaml`` only override; ``--set a.b=v``
+overrides a preset. ``load_config`` turns any mistake into one ``ConfigError`` that names the field,
+before Ray or a GPU is touched.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+PRESET_DIR = Path(__file__).resolve().parent.parent / "jobs" / "configs"
+DEFAULT_PRESET = "tiny-cpu"
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with the offending field in the message."""
+
+
+class _Section(BaseModel):
+    # Field docstrings become the schema's descriptions, so each field is documented exactly once.
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class SourceConfig(_Section):
+    """One parallel corpus. Several sources are mixed by ``weight``."""
+
+    path: str
+    """File, glob or URI (``s3://``, ``gs://``, any pyarrow filesystem). ``sample:`` means the bundled
+    Tatoeba eng-zho sample. Moses format: the common prefix; files are ``<path>.<src_lang>`` and
+    ``<path>.<tgt_lang>``."""
+    format: Literal["tatoeba", "tsv", "csv", "moses", "jsonl", "parquet", "hf_disk", "hf_hub"] = "tatoeba"
+    """``tatoeba``: 4-column TSV ``src_lang, tgt_lang, src, tgt``; ``tsv``/``csv``: 2 columns src, tgt;
+    ``moses``: two line-aligned files; ``jsonl``/``parquet``: columns named below (or a HF
+    ``translation`` dict); ``hf_disk``: a ``save_to_disk`` folder; ``hf_hub``: a ``load_dataset`` name."""
+    src_lang: str | None = None
+    """Source language code (any alias Hunyuan-MT knows). Required unless the rows carry languages."""
+    tgt_lang: str | None = None
+    """Target language code. Required unless the rows carry languages."""
+    src_column: str = "src"
+    """Column of the source text (jsonl/parquet/hf). With a ``translation`` column, the src_lang key."""
+    tgt_column: str = "tgt"
+    """Column of the target text (jsonl/parquet/hf)."""
+    split: str = "train"
+    """Split name for ``hf_hub`` / ``hf_disk`` sources that hold several splits."""
+    weight: float = Field(1.0, gt=0)
+    """Relative sampling weight when several sources are mixed (1.0: every row once)."""
+
+
+class DataConfig(_Section):
+    """Reading, cleaning, prompting, tokenizing, splitting and packing the corpus."""
+
+    sources: list[SourceConfig] = Field(default_factory=lambda: [SourceConfig(path="sample:")])
+    """The corpora to train on (default: the bundled Tatoeba eng-zho sample)."""
+    prepared_path: str | None = None
+    """A dataset written by ``hymt prepare``: when set, ``sources`` are not read again."""
+    both_directions: bool = False
+    """Also train each pair in the reverse direction (target → source)."""
+    val_fraction: float = Field(0.02, ge=0, lt=0.5)
+    """Share of source sentences held out for validation (split by a hash of the source sentence, so
+    alternative translations of one sentence never straddle train and validation)."""
+    max_val_examples: int = Field(512, ge=0)
+    """Cap on validation examples, so evaluation stays cheap on large corpora."""
+    max_example_tokens: int = Field(256, ge=16)
+    """Longest prompt + answer, in tokens; longer pairs are dropped (counted as ``too_many_tokens``)."""
+    min_chars: int = Field(1, ge=0)
+    """Drop a pair whose shorter side has fewer characters (after normalisation)."""
+    max_chars: int = Field(1000, ge=1)
+    """Drop a pair whose longer side has more characters (after normalisation)."""
+    max_length_ratio: float = Field(4.0, ge=1)
+    """Drop pairs whose sides' lengths differ by more than this factor (CJK characters count double)."""
+    drop_identical: bool = True
+    """Drop pairs whose source equals the target (untranslated copies)."""
+    dedup: bool = True
+    """Drop exact duplicate pairs (same languages, source and target after normalisation)."""
+    on_unsupported_language: Literal["drop", "error"] = "drop"
+    """A row in a language Hunyuan-MT does not know (e.g. Tatoeba's ``wuu``): drop and count, or fail."""
+    max_bad_fraction: float = Field(0.01, ge=0, le=1)
+    """Fail when more than this share of lines is malformed or not valid UTF-8 (below it: counted)."""
+    packing: bool = True
+    """Pack several examples per row with document-masked attention (fast); off: one padded example
+    per row (the tutorial's way)."""
+    pack_tokens: int = Field(1024, ge=16)
+    """Tokens per packed row (the micro-batch row length)."""
+    tokenize_actors: int = Field(1, ge=1)
+    """Tokenizer actors in the Ray Data pool (one tokenizer each)."""
+    tokenize_batch_size: int = Field(256, ge=1)
+    """Rows per tokenization batch."""
+    seed: int = 0
+    """Seed of the train/validation split and of the data order."""
+
+    @model_validator(mode="after")
+    def _check(self) -> DataConfig:
+        if not self.sources and not self.prepared_path:
+            raise ValueError("data.sources is empty and data.prepared_path is not set: nothing to train on")
+        if self.min_chars > self.max_chars:
+            raise ValueError(f"data.min_chars ({self.min_chars}) exceeds data.max_chars ({self.max_chars})")
+        return self
+
+
+class ModelConfig(_Section):
+    """Which model and tokenizer to fine-tune."""
+
+    name_or_path: str = "tiny"
+    """A local folder or hub id (``tencent/Hunyuan-MT-7B``); ``tiny``: the offline random-init
+    ``hunyuan_v1_dense`` and bundled tokenizer used for demos and tests."""
+    tokenizer: str | None = None
+    """Tokenizer folder or hub id when it differs from ``name_or_path``."""
+    trust_remote_code: bool = False
+    """Allow code from the model repository (Hunyuan-MT is native in transformers: leave off)."""
+    attn_implementation: Literal["sdpa", "eager", "flex_attention"] = "sdpa"
+    """Attention kernel. Packed rows need document masking: ``flex_attention`` (fast on GPU) or a dense
+    block-diagonal mask through ``sdpa``/``eager``."""
+
+
+class OptimConfig(_Section):
+    """Optimizer, schedule and batch shape."""
+
+    lr: float = Field(1e-5, gt=0)
+    """Peak learning rate (Hunyuan-MT's own recipe: 1e-5 for full fine-tuning)."""
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    """Final learning rate as a fraction of ``lr`` at the end of the decay."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warmup steps (optimizer steps)."""
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    """Decay after warmup."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+    eps: float = Field(1e-8, gt=0)
+    """AdamW epsilon."""
+    max_grad_norm: float = Field(1.0, ge=0)
+    """Gradient clipping by global norm (0: off)."""
+    micro_batch_size: int = Field(1, ge=1)
+    """Rows per worker per micro-step (a row is a pack of ``data.pack_tokens`` or one padded pair)."""
+    grad_accum: int = Field(1, ge=1)
+    """Micro-steps accumulated per optimizer step."""
+    max_steps: int | None = Field(None, ge=1)
+    """Optimizer steps to run; None: ``epochs`` full passes."""
+    epochs: int = Field(1, ge=1)
+    """Passes over the training data when ``max_steps`` is not set."""
+
+
+class DeepSpeedConfig(_Section):
+    """The DeepSpeed engine."""
+
+    zero_stage: Literal[0, 1, 2, 3] = 2
+    """ZeRO stage: 0 plain data parallel; 1 optimizer states, 2 + gradients, 3 + parameters sharded."""
+    offload_optimizer: bool = False
+    """Keep optimizer states (and the update) on the CPU (ZeRO-Offload; needs stage >= 1)."""
+    offload_param: bool = False
+    """Keep parameters on the CPU between uses (stage 3 only)."""
+    precision: Literal["bf16", "fp16", "fp32"] = "bf16"
+    """Training precision; fp16 only on GPUs (DeepSpeed's CPU accelerator does not support it)."""
+    communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
+    """Data type of gradient all-reduce (the tutorial's fp16 compression hook, DeepSpeed's way);
+    None: the training precision."""
+    activation_checkpointing: bool = False
+    """Recompute activations in backward (less memory, ~30% more compute)."""
+    reduce_bucket_size: int = Field(200_000_000, ge=1)
+    """Elements per gradient reduction bucket."""
+    overlap_comm: bool = True
+    """Overlap gradient reduction with backward."""
+    config_file: str | None = None
+    """A DeepSpeed JSON of your own (the tutorial's ``ds_config.json`` style; "auto" values are filled
+    from this config). A value that contradicts this config is an error."""
+
+
+class ScalingConfig(_Section):
+    """Workers and their resources."""
+
+    num_workers: int = Field(2, ge=1)
+    """Training workers (one per GPU)."""
+    use_gpu: bool = False
+    """One GPU per worker; off: CPU workers with gloo (tests, demos)."""
+    cpus_per_worker: float = Field(1.0, gt=0)
+    """Logical CPUs each worker reserves."""
+    local_num_cpus: int | None = Field(None, ge=1)
+    """Logical CPUs declared when this job starts its own local Ray (None: at least 4, since 2 workers
+    plus the tokenizer actors never get scheduled on 2 logical CPUs)."""
+
+
+class CheckpointConfig(_Section):
+    """Checkpoints and failure handling."""
+
+    every_steps: int = Field(50, ge=1)
+    """Save a checkpoint every this many optimizer steps (and always at the end)."""
+    num_to_keep: int = Field(2, ge=1)
+    """Checkpoints kept in storage (the newest)."""
+    max_failures: int = Field(1, ge=-1)
+    """Worker-group restarts allowed before the job fails (-1: unlimited)."""
+
+
+class TrackingConfig(_Section):
+    """MLflow tracking (rank 0 only)."""
+
+    enabled: bool = True
+    """Log to MLflow."""
+    tracking_uri: str | None = None
+    """MLflow server or store; None: ``$MLFLOW_TRACKING_URI``, else ``sqlite:///<storage_root>/mlflow.db``."""
+    experiment: str = "raytrain_hymt"
+    """MLflow experiment (created if missing)."""
+    log_every_steps: int = Field(1, ge=1)
+    """Log training metrics every this many optimizer steps."""
+    tensorboard: bool = False
+    """Also write the scalars as TensorBoard event files under the run folder."""
+
+
+class EvalConfig(_Section):
+    """Validation during training."""
+
+    every_steps: int = Field(50, ge=1)
+    """Compute the validation loss every this many optimizer steps (and at the end)."""
+
+
+class RunConfig(_Section):
+    """Where results go and what the run is called."""
+
+    storage_root: str = "~/hymt_runs"
+    """Absolute folder or URI holding every run (checkpoints, exported models, ``mlflow.db``); a shared
+    filesystem or bucket on multi-node clusters."""
+    name: str | None = None
+    """Run name; None: ``<preset>-<timestamp>``. Running again with the same name resumes the run."""
+    export: bool = True
+    """Export a Hugging Face model folder at the end of training."""
+    seed: int = 0
+    """Seed of model initialisation (tiny model) and dropout."""
+
+    @property
+    def storage_path(self) -> str:
+        """``storage_root`` with ``~`` expanded and made absolute (URIs unchanged)."""
+        if "://" in self.storage_root:
+            return self.storage_root
+        return str(Path(os.path.expanduser(self.storage_root)).resolve())
+
+
+class Config(_Section):
+    """Everything a training job needs."""
+
+    preset: str = DEFAULT_PRESET
+    """Name of the preset this config came from (informational; part of the default run name)."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    deepspeed: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig)
+    scaling: ScalingConfig = Field(default_factory=ScalingConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    run: RunConfig = Field(default_factory=RunConfig)
+
+    @model_validator(mode="after")
+    def _check(self) -> Config:
+        ds = self.deepspeed
+        if ds.offload_param and ds.zero_stage != 3:
+            raise ValueError(f"deepspeed.offload_param needs deepspeed.zero_stage 3 (got {ds.zero_stage})")
+        if ds.offload_optimizer and ds.zero_stage == 0:
+            raise ValueError("deepspeed.offload_optimizer needs deepspeed.zero_stage >= 1 (got 0)")
+        if ds.precision == "fp16" and not self.scaling.use_gpu:
+            raise ValueError("deepspeed.precision fp16 needs GPUs (scaling.use_gpu: true); use bf16 or fp32 on CPU")
+        if self.data.packing and self.data.pack_tokens < self.data.max_example_tokens:
+            raise ValueError(
+                f"data.pack_tokens ({self.data.pack_tokens}) must be >= data.max_example_tokens "
+                f"({self.data.max_example_tokens}) so every example fits in a packed row"
+            )
+        return self
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {dotted}: '{key}' is not a section")
+    node[keys[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``"optim.lr=3e-5"`` → ``("optim.lr", 3e-05)``; the value is parsed as YAML (numbers, lists, null)."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected section.field=value")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def preset_path(name_or_file: str) -> Path:
+    """A preset name (``tiny-cpu``) or a YAML file path, as a path that exists."""
+    candidate = Path(name_or_file)
+    if candidate.suffix in (".yaml", ".yml") and candidate.exists():
+        return candidate
+    named = PRESET_DIR / f"{name_or_file}.yaml"
+    if named.exists():
+        return named
+    known = ", ".join(sorted(p.stem for p in PRESET_DIR.glob("*.yaml")))
+    raise ConfigError(f"config {name_or_file!r}: no such file, and no preset of that name (presets: {known})")
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    lines = [f"invalid configuration ({source}):"]
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        value = e.get("input")
+        shown = "" if isinstance(value, dict) else f" (got {value!r})"
+        lines.append(f"  {field}: {e['msg']}{shown}")
+    return "\n".join(lines)
+
+
+def load_config(config: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Load a preset or YAML file (default ``tiny-cpu``), apply ``section.field=value`` overrides, validate."""
+    path = preset_path(config or DEFAULT_PRESET)
+    try:
+        tree = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+    tree.setdefault("preset", path.stem)
+    for text in overrides:
+        key, value = parse_override(text)
+        _set_dotted(tree, key, value)
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(_format_validation_error(e, str(path))) from None
+
+
+def to_yaml(cfg: Config) -> str:
+    """The resolved config as YAML (what a run actually used; loadable with ``--config``)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False, allow_unicode=True)
+
+
+def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` → ``{"a.b": 1}`` (lists kept whole)."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{name}."))
+        else:
+            out[name] = value
+    return out

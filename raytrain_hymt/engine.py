@@ -1,0 +1,116 @@
+"""DeepSpeed: the config builder (pure), the learning-rate schedule (pure) and engine initialisation."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from raytrain_hymt.config import Config, ConfigError
+
+_DTYPE_NAMES = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16"}
+
+
+def build_ds_config(cfg: Config, world_size: int, on_gpu: bool) -> dict[str, Any]:
+    """The DeepSpeed config for ``cfg`` on ``world_size`` workers, merged with the user's JSON if given."""
+    ds, opt = cfg.deepspeed, cfg.optim
+    zero: dict[str, Any] = {
+        "stage": ds.zero_stage,
+        "overlap_comm": ds.overlap_comm and ds.zero_stage > 0,
+        "contiguous_gradients": True,
+        "reduce_bucket_size": ds.reduce_bucket_size,
+    }
+    if ds.zero_stage == 3:
+        # Export gathers full weights from the shards; without this flag DeepSpeed saves none.
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    if ds.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": on_gpu}
+    if ds.offload_param:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": on_gpu}
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": opt.micro_batch_size,
+        "gradient_accumulation_steps": opt.grad_accum,
+        "train_batch_size": opt.micro_batch_size * opt.grad_accum * world_size,
+        "gradient_clipping": opt.max_grad_norm,
+        "zero_optimization": zero,
+        "bf16": {"enabled": ds.precision == "bf16"},
+        "fp16": {"enabled": ds.precision == "fp16", "initial_scale_power": 16},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": opt.lr,
+                "betas": list(opt.betas),
+                "eps": opt.eps,
+                "weight_decay": opt.weight_decay,
+                # Plain torch AdamW: no JIT-built fused kernel on CPU; on GPU torch's fused path is as fast.
+                "torch_adam": not ds.offload_optimizer,
+                "adam_w_mode": True,
+            },
+        },
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if ds.communication_data_type:
+        config["communication_data_type"] = _DTYPE_NAMES[ds.communication_data_type]
+    if ds.config_file:
+        config = merge_user_ds_config(config, json.loads(Path(ds.config_file).read_text()), ds.config_file)
+    return config
+
+
+def merge_user_ds_config(ours: dict, theirs: dict, source: str, path: str = "") -> dict:
+    """Merge a user's DeepSpeed JSON into ours: "auto" takes our value, a different value is an error."""
+    merged = dict(ours)
+    for key, value in theirs.items():
+        where = f"{path}{key}"
+        if value == "auto":
+            if key not in ours:
+                raise ConfigError(f"{source}: '{where}' is \"auto\" but raytrain_hymt does not set it; give a value")
+            continue
+        if key not in ours:
+            merged[key] = value
+        elif isinstance(value, dict) and isinstance(ours[key], dict):
+            merged[key] = merge_user_ds_config(ours[key], value, source, f"{where}.")
+        elif value != ours[key]:
+            raise ConfigError(
+                f"{source}: '{where}' is {value!r} but the config sets {ours[key]!r}; change the config field "
+                "(e.g. --set deepspeed.zero_stage=3) or write \"auto\" in the JSON"
+            )
+    return merged
+
+
+def lr_factor(step: int, total_steps: int, warmup_steps: int, schedule: str, min_ratio: float) -> float:
+    """Multiplier of the peak learning rate at optimizer step ``step`` (0-based): warmup, then decay."""
+    if warmup_steps and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    span = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / span)
+    if schedule == "linear":
+        decay = 1.0 - progress
+    else:
+        decay = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return min_ratio + (1.0 - min_ratio) * decay
+
+
+def initialize_engine(model, cfg: Config, world_size: int, total_steps: int, on_gpu: bool):
+    """``deepspeed.initialize`` with our config and schedule; returns ``(engine, ds_config)``."""
+    import deepspeed
+    import torch
+
+    ds_config = build_ds_config(cfg, world_size, on_gpu)
+    opt = cfg.optim
+
+    def scheduler(optimizer):
+        return torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: lr_factor(s, total_steps, opt.warmup_steps, opt.schedule, opt.min_lr_ratio)
+        )
+
+    if cfg.deepspeed.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    params = [p for p in model.parameters() if p.requires_grad]
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=params, config=ds_config, lr_scheduler=scheduler
+    )
+    return engine, ds_config

@@ -1,0 +1,30 @@
+"""Build DeepSpeed's JIT C++ ops once, before training or tests need them (``python -m raytrain_hymt.ops``).
+
+On CPU every DeepSpeed run needs ``shm_comm`` and optimizer offload needs ``cpu_adam``; each takes
+20-70 s and several GB of RAM to compile the first time. Building them up front keeps that cost out of
+the first training run and out of every test; the result is cached in ``TORCH_EXTENSIONS_DIR``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+CPU_OPS = ("ShareMemCommBuilder", "CPUAdamBuilder")
+
+
+def build_cpu_ops(names: tuple[str, ...] = CPU_OPS) -> None:
+    """Compile (or load from cache) the named DeepSpeed ops for the CPU accelerator."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    for name in names:
+        started = time.time()
+        accelerator.create_op_builder(name).load(verbose=False)
+        print(f"DeepSpeed op {name}: ready ({time.time() - started:.0f} s)", flush=True)
+
+
+if __name__ == "__main__":
+    build_cpu_ops(tuple(sys.argv[1:]) or CPU_OPS)

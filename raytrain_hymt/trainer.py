@@ -1,0 +1,181 @@
+"""The driver: start or join Ray, build the datasets, run the TorchTrainer, export, summarise.
+
+A run lives in ``<storage_root>/<name>/``: Ray's checkpoints (``checkpoint_step*``), ``run.json`` (the
+MLflow run id, so a re-submitted job continues the same MLflow run), ``config.yaml``, ``model/`` (the
+exported Hugging Face folder) and ``summary.json`` (written last; a finished run prints it and exits).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from pathlib import Path
+
+from raytrain_hymt.config import Config, flatten, to_yaml
+
+log = logging.getLogger("raytrain_hymt")
+
+SUMMARY_FILE = "summary.json"
+RUN_FILE = "run.json"
+
+
+@dataclass
+class TrainingSummary:
+    """Where a finished run's results are."""
+
+    name: str
+    run_dir: str
+    checkpoint: str
+    model_dir: str | None
+    steps: int
+    train_loss: float
+    val_loss: float | None
+    wall_time_s: float
+    tracking_uri: str | None
+    mlflow_run_id: str | None
+    mlflow_experiment: str | None
+
+    def lines(self) -> list[str]:
+        """What the user reads at the end of a run."""
+        val = f", validation loss {self.val_loss:.4f}" if self.val_loss is not None else ""
+        out = [
+            f"run {self.name}: {self.steps} steps in {self.wall_time_s:.0f} s, train loss {self.train_loss:.4f}{val}",
+            f"  checkpoint:   {self.checkpoint}",
+        ]
+        if self.model_dir:
+            out.append(f"  model:        {self.model_dir}  (AutoModelForCausalLM.from_pretrained loads it)")
+        if self.mlflow_run_id:
+            out.append(f"  MLflow run:   {self.mlflow_run_id} in experiment '{self.mlflow_experiment}' at {self.tracking_uri}")
+            if self.tracking_uri and self.tracking_uri.startswith("sqlite:"):
+                out.append(f"  open the UI:  mlflow ui --backend-store-uri {self.tracking_uri}")
+            else:
+                out.append(f"  open the UI:  {self.tracking_uri}")
+        return out
+
+
+def run_name(cfg: Config) -> str:
+    """The configured name, or ``<preset>-<timestamp>``."""
+    return cfg.run.name or f"{cfg.preset}-{datetime.now():%Y%m%d-%H%M%S}"
+
+
+def init_ray(cfg: Config) -> None:
+    """Join the cluster in ``RAY_ADDRESS`` (e.g. under ``ray job submit``) or start a local Ray."""
+    import ray
+
+    from raytrain_hymt.quiet import quiet_ray
+
+    quiet_ray()
+    if ray.is_initialized():
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(log_to_driver=True)
+        return
+    # 2 training workers plus the tokenizer actors need more logical CPUs than a 2-core machine has
+    # (FACTS.md: on 2 logical CPUs the actors never start). Logical CPUs are only a scheduling count.
+    want = cfg.scaling.local_num_cpus or max(4, os.cpu_count() or 1, int(cfg.scaling.num_workers * cfg.scaling.cpus_per_worker) + cfg.data.tokenize_actors)
+    ray.init(address="local", num_cpus=want, include_dashboard=False, log_to_driver=True)
+
+
+def _start_tracking(cfg: Config, run_dir: Path):
+    from raytrain_hymt.tracking import make_tracker, redact, resolve_tracking_uri
+
+    if not cfg.tracking.enabled:
+        return make_tracker(False), None
+    uri = resolve_tracking_uri(cfg.tracking.tracking_uri, cfg.run.storage_path)
+    saved = json.loads((run_dir / RUN_FILE).read_text()) if (run_dir / RUN_FILE).exists() else {}
+    tracker = make_tracker(
+        True, tracking_uri=uri, experiment=cfg.tracking.experiment, run_name=cfg.run.name,
+        run_id=saved.get("mlflow_run_id"), local_dir=run_dir, tensorboard=False,
+    )
+    (run_dir / RUN_FILE).write_text(json.dumps({"mlflow_run_id": tracker.run_id, "tracking_uri": uri}))
+    tracker.log_params(redact(flatten(cfg.model_dump(mode="json"))))
+    tracker.log_text(to_yaml(cfg), "config.yaml")
+    return tracker, uri
+
+
+def _trainer(cfg: Config, train, val, loop_inputs: dict):
+    import ray.train
+    from ray.data import ExecutionOptions
+    from ray.train.torch import TorchTrainer
+
+    from raytrain_hymt.train_loop import train_loop
+
+    env = {} if cfg.scaling.use_gpu else {"DS_ACCELERATOR": "cpu"}
+    if os.environ.get("HYMT_VERBOSE"):
+        env["HYMT_VERBOSE"] = "1"
+    ordered = ExecutionOptions(preserve_order=True)
+    return TorchTrainer(
+        train_loop,
+        train_loop_config=loop_inputs,
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
+            resources_per_worker={"CPU": cfg.scaling.cpus_per_worker},
+        ),
+        datasets={"train": train, "val": val},
+        # Every worker reads the whole ordered stream and takes its slice (train_loop.rank_slice).
+        dataset_config=ray.train.DataConfig(datasets_to_split=[], execution_options={"train": ordered, "val": ordered}),
+        run_config=ray.train.RunConfig(
+            name=cfg.run.name,
+            storage_path=cfg.run.storage_path,
+            failure_config=ray.train.FailureConfig(max_failures=cfg.checkpoint.max_failures),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.checkpoint.num_to_keep),
+            worker_runtime_env={"env_vars": env},
+        ),
+    )
+
+
+def finished_summary(cfg: Config) -> TrainingSummary | None:
+    """The summary of a run of this name that already finished, or None."""
+    path = Path(cfg.run.storage_path, run_name(cfg), SUMMARY_FILE)
+    return TrainingSummary(**json.loads(path.read_text())) if cfg.run.name and path.exists() else None
+
+
+def run_training(cfg: Config) -> TrainingSummary:
+    """Train (or resume) the run ``cfg`` describes, export it, and return its summary."""
+    import torch
+
+    from raytrain_hymt.checkpoint import export_hf
+    from raytrain_hymt.data.pipeline import build_datasets
+
+    started = time.time()
+    cfg.run.name = run_name(cfg)
+    run_dir = Path(cfg.run.storage_path, cfg.run.name)
+    if "://" in str(run_dir):
+        raise NotImplementedError("object-store storage roots are not supported yet; use a shared filesystem path")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    init_ray(cfg)
+    tracker, uri = _start_tracking(cfg, run_dir)
+    try:
+        train, val, stats = build_datasets(cfg)
+        log.info(stats.summary())
+        tracker.log_metrics(stats.as_metrics(), step=0)
+        loop_inputs = {
+            "config": cfg.model_dump(mode="json"), "train_rows": stats.train_rows,
+            "tracking_run_id": tracker.run_id, "tracking_uri": uri, "run_dir": str(run_dir),
+        }
+        result = _trainer(cfg, train, val, loop_inputs).fit()
+        model_dir = None
+        with result.checkpoint.as_directory() as folder:
+            if cfg.run.export:
+                dtype = torch.float32 if cfg.deepspeed.precision == "fp32" else torch.bfloat16
+                model_dir = str(export_hf(folder, run_dir / "model", dtype=dtype))
+                if tracker.run_id:
+                    tracker.set_tags({"model_dir": model_dir})
+        metrics = result.metrics or {}
+        summary = TrainingSummary(
+            name=cfg.run.name, run_dir=str(run_dir), checkpoint=result.checkpoint.path, model_dir=model_dir,
+            steps=int(metrics.get("step", 0)), train_loss=float(metrics.get("train_loss", float("nan"))),
+            val_loss=metrics.get("val_loss"), wall_time_s=time.time() - started, tracking_uri=uri,
+            mlflow_run_id=tracker.run_id, mlflow_experiment=cfg.tracking.experiment if uri else None,
+        )
+        tracker.finish("FINISHED")
+    except BaseException:
+        tracker.finish("FAILED")
+        raise
+    (run_dir / SUMMARY_FILE).write_text(json.dumps(asdict(summary), indent=1))
+    return summary

@@ -1,0 +1,52 @@
+"""Shared fixtures: one local Ray cluster per test session, the tiny config, the shared data folder."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Before anything imports deepspeed or starts Ray (both read these once).
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.pop("MLFLOW_TRACKING_URI", None)
+os.environ.pop("RAY_ADDRESS", None)
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    """../shared/data (CI clones the repo with shared/ beside it)."""
+    if not SHARED_DATA.exists():
+        pytest.skip(f"shared data folder not found at {SHARED_DATA}")
+    return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray for the whole session (starting Ray costs seconds; every integration test shares it)."""
+    import ray
+
+    from raytrain_hymt.quiet import quiet_ray
+
+    quiet_ray()
+    # 2 training workers + tokenizer actors + a second concurrent job need more logical CPUs than 2 cores.
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=True)
+    yield ray
+    ray.shutdown()
+
+
+def tiny_overrides(storage: Path, **extra: object) -> list[str]:
+    """``--set`` overrides for a short tiny-cpu run stored under ``storage``."""
+    values = {
+        "run.storage_root": str(storage),
+        "optim.max_steps": 20,
+        "checkpoint.every_steps": 10,
+        "eval.every_steps": 10,
+    }
+    values.update(extra)
+    return [f"{k}={v}" for k, v in values.items()]

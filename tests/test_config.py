@@ -1,0 +1,81 @@
+"""Config: presets load and validate; overrides apply; mistakes name the field before Ray starts."""
+
+import pytest
+
+from raytrain_hymt.config import PRESET_DIR, Config, ConfigError, flatten, load_config, parse_override, to_yaml
+
+
+def test_default_preset_is_tiny_cpu():
+    cfg = load_config()
+    assert cfg.preset == "tiny-cpu"
+    assert cfg.model.name_or_path == "tiny"
+    assert cfg.deepspeed.zero_stage == 2
+    assert cfg.scaling.num_workers == 2
+    assert cfg.data.sources[0].path == "sample:"
+
+
+@pytest.mark.parametrize("preset", sorted(p.stem for p in PRESET_DIR.glob("*.yaml")))
+def test_every_preset_loads_and_round_trips(preset):
+    cfg = load_config(preset)
+    assert cfg.preset == preset
+    again = Config.model_validate(__import__("yaml").safe_load(to_yaml(cfg)))
+    assert again == cfg
+
+
+def test_overrides_are_parsed_as_yaml_values():
+    cfg = load_config(None, ["optim.lr=3e-5", "deepspeed.zero_stage=3", "run.name=abc", "data.val_fraction=0"])
+    assert cfg.optim.lr == 3e-5
+    assert cfg.deepspeed.zero_stage == 3
+    assert cfg.run.name == "abc"
+    assert cfg.data.val_fraction == 0
+    assert parse_override("optim.betas=[0.9, 0.99]") == ("optim.betas", [0.9, 0.99])
+
+
+def test_invalid_value_names_the_field():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["deepspeed.zero_stage=4"])
+    assert "deepspeed.zero_stage" in str(e.value)
+    assert "(got 4)" in str(e.value)
+
+
+def test_unknown_field_names_the_field():
+    with pytest.raises(ConfigError, match=r"optim\.learning_rate: Extra inputs are not permitted"):
+        load_config(None, ["optim.learning_rate=1e-4"])
+
+
+def test_cross_field_rules():
+    with pytest.raises(ConfigError, match="offload_param needs deepspeed.zero_stage 3"):
+        load_config(None, ["deepspeed.offload_param=true"])
+    with pytest.raises(ConfigError, match="fp16 needs GPUs"):
+        load_config(None, ["deepspeed.precision=fp16"])
+    with pytest.raises(ConfigError, match="pack_tokens"):
+        load_config(None, ["data.pack_tokens=64", "data.max_example_tokens=128"])
+
+
+def test_unknown_preset_lists_the_known_ones():
+    with pytest.raises(ConfigError, match="presets: .*tiny-cpu"):
+        load_config("no-such-preset")
+
+
+def test_malformed_override():
+    with pytest.raises(ConfigError, match="expected section.field=value"):
+        load_config(None, ["optim.lr"])
+
+
+def test_every_field_has_a_docstring():
+    def walk(model_cls, prefix=""):
+        for name, field in model_cls.model_fields.items():
+            ann = field.annotation
+            if isinstance(ann, type) and issubclass(ann, __import__("pydantic").BaseModel):
+                walk(ann, f"{prefix}{name}.")
+            else:
+                assert field.description, f"{prefix}{name} has no docstring"
+
+    walk(Config)
+
+
+def test_storage_path_is_absolute(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = load_config()
+    assert cfg.run.storage_path == str(tmp_path / "hymt_runs")
+    assert flatten({"a": {"b": 1, "c": [1]}}) == {"a.b": 1, "a.c": [1]}
