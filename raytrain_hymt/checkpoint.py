@@ -150,3 +150,12 @@ def export_hf(folder: str | os.PathLike, out_dir: str | os.PathLike, dtype: torc
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
+
+
+def export_checkpoint(folder: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+    """``hymt export``: export in the precision the run trained in (fp32 runs stay fp32, else bf16)."""
+    import yaml
+
+    run_config = Path(folder).parent / "config.yaml"
+    precision = yaml.safe_load(run_config.read_text())["deepspeed"]["precision"] if run_config.exists() else "bf16"
+    return export_hf(folder, out_dir, dtype=torch.float32 if precision == "fp32" else torch.bfloat16)

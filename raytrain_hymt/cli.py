@@ -38,6 +38,34 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_prepare(args) -> int:
+    """Run the data pipeline once and write training-ready rows to Parquet."""
+    from raytrain_hymt.data.prepare import prepare_dataset
+
+    stats = prepare_dataset(_load(args), args.out)
+    print(stats.summary())
+    print(f"prepared dataset: {args.out}  (train on it with --set data.prepared_path={args.out})")
+    return 0
+
+
+def cmd_export(args) -> int:
+    """Export a Hugging Face model folder from any checkpoint."""
+    from raytrain_hymt.checkpoint import export_checkpoint
+
+    out = export_checkpoint(args.checkpoint, args.out)
+    print(f"exported {args.checkpoint} to {out}  (AutoModelForCausalLM.from_pretrained loads it)")
+    return 0
+
+
+def cmd_tune(args) -> int:
+    """Search learning rates (and more) with Ray Tune; each trial is a full training run."""
+    from raytrain_hymt.tune import run_search
+
+    result = run_search(_load(args))
+    print("\n".join(result.lines()))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``hymt`` argument parser with every subcommand."""
     parser = argparse.ArgumentParser(prog="hymt", description="Fine-tune Hunyuan-MT with Ray Train + DeepSpeed")
@@ -45,6 +73,17 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train or resume a run (default preset: tiny-cpu)")
     _config_args(train)
     train.set_defaults(func=cmd_train)
+    prepare = sub.add_parser("prepare", help="preprocess the corpus once into Parquet for reuse")
+    _config_args(prepare)
+    prepare.add_argument("out", help="output folder or URI for the prepared dataset")
+    prepare.set_defaults(func=cmd_prepare)
+    export = sub.add_parser("export", help="export a Hugging Face model folder from a checkpoint")
+    export.add_argument("checkpoint", help="a checkpoint_step* folder of a run")
+    export.add_argument("out", help="output folder")
+    export.set_defaults(func=cmd_export)
+    tune = sub.add_parser("tune", help="learning-rate search with Ray Tune")
+    _config_args(tune)
+    tune.set_defaults(func=cmd_tune)
     return parser
 
 
