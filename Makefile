@@ -1,0 +1,29 @@
+# Two commands for a fresh machine (README): `make train` and `make test`. Both install into .venv once
+# (re-running reuses it; a changed pyproject.toml reinstalls) and build DeepSpeed's CPU ops once.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+ARGS ?=
+PYTEST_ARGS ?= -q
+
+.PHONY: install train test clean-venv
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@PY=$(PY) scripts/check_prereqs.sh
+	@[ -x $(BIN)/python ] || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[test]'
+	DS_ACCELERATOR=cpu $(BIN)/python -m raytrain_hymt.ops
+	@touch $(STAMP)
+
+train: install
+	$(BIN)/python jobs/train.py $(ARGS)
+
+test: install
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+clean-venv:
+	rm -rf $(VENV)
