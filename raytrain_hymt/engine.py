@@ -1,4 +1,4 @@
-"""DeepSpeed: the config builder (pure), the learning-rate schedule (pure) and engine initialisation."""
+"""DeepSpeed: the config builder (pure), the learning-rate schedule (pure), LoRA and engine initialisation."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from raytrain_hymt.config import Config, ConfigError
+from raytrain_hymt.config import Config, ConfigError, LoraConfig
 
 _DTYPE_NAMES = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16"}
 
@@ -68,7 +68,8 @@ def merge_user_ds_config(ours: dict, theirs: dict, source: str, path: str = "") 
                 raise ConfigError(f"{source}: '{where}' is \"auto\" but raytrain_hymt does not set it; give a value")
             continue
         if key not in ours:
-            merged[key] = value
+            # A section we do not set may still hide an "auto" deeper down: check it all the same.
+            merged[key] = merge_user_ds_config({}, value, source, f"{where}.") if isinstance(value, dict) else value
         elif isinstance(value, dict) and isinstance(ours[key], dict):
             merged[key] = merge_user_ds_config(ours[key], value, source, f"{where}.")
         elif value != ours[key]:
@@ -94,6 +95,24 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int, schedule: str, min
     return min_ratio + (1.0 - min_ratio) * decay
 
 
+def apply_lora(model, lora: LoraConfig):
+    """Wrap ``model`` in peft LoRA adapters on ``lora.target_modules``; every base weight is frozen."""
+    import torch
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    leaf_names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    missing = sorted(set(lora.target_modules) - leaf_names)
+    if missing:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise ConfigError(f"lora.target_modules: {missing} are not modules of this model; its linear layers are {linear}")
+    peft_config = PeftLoraConfig(
+        r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules),
+        task_type="CAUSAL_LM", bias="none",
+    )
+    return get_peft_model(model, peft_config)
+
+
 def initialize_engine(model, cfg: Config, world_size: int, total_steps: int, on_gpu: bool):
     """``deepspeed.initialize`` with our config and schedule; returns ``(engine, ds_config)``."""
     import deepspeed
@@ -108,9 +127,37 @@ def initialize_engine(model, cfg: Config, world_size: int, total_steps: int, on_
         )
 
     if cfg.deepspeed.activation_checkpointing:
+        # Non-reentrant checkpointing: works with frozen inputs (LoRA) and with ZeRO-3's gathered params.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.lora.enabled:
+        model = apply_lora(model, cfg.lora)
     params = [p for p in model.parameters() if p.requires_grad]
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=params, config=ds_config, lr_scheduler=scheduler
     )
+    if cfg.deepspeed.zero_stage == 0 and cfg.deepspeed.precision == "fp32":
+        _record_fp32_grad_norm(engine)
     return engine, ds_config
+
+
+def _record_fp32_grad_norm(engine) -> None:
+    """Make ZeRO-0 in fp32 report an exact gradient norm, as the ZeRO stages do.
+
+    There DeepSpeed clips with a function that drops the norm it computed (``get_global_grad_norm()``
+    stays None), and that norm sums in fp32 per tensor: on CPU it was off by ~1e-4 relative for the
+    tiny model's output head. This clips the same way (scale by ``max / (norm + 1e-6)`` when above
+    ``max``) with the norm summed in fp64, and keeps it. Gradients are already averaged over ranks
+    here, so every rank computes the same norm. With clipping off DeepSpeed computes no norm at all.
+    """
+    import torch
+
+    def clip_and_record():
+        grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+        norm = float(torch.stack([g.detach().double().pow(2).sum() for g in grads]).sum().sqrt())
+        coef = min(1.0, engine.gradient_clipping() / (norm + 1e-6))
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+        engine._global_grad_norm = norm
+
+    engine.clip_fp32_gradients = clip_and_record
