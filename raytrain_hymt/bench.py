@@ -1,0 +1,420 @@
+"""GPU throughput benchmark: the project's own training step (``train_loop.Worker``) on random-init
+models, fed by the project's Ray Data pipeline, under TorchTrainer or under plain torchrun.
+
+A *case* is a name plus ``--set``-style overrides on top of the benchmark's base config (:func:`base_overrides`).
+Each case trains ``warmup + steps`` optimizer steps; the report covers the last ``steps``: real (non-padding)
+tokens per second per GPU over the wall clock of those steps (data waits included), MFU by
+``metrics.step_flops`` (per-document attention term) against the datasheet peak, median step time and peak
+memory. A case name ending in ``@torchrun`` runs the same case without Ray: the driver hands the very
+global batches Ray Data produced to ``torchrun`` workers that run the same :func:`bench_loop` with stand-ins
+for Ray Train's context and dataset shard, so the difference is Ray Train's own overhead.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger("raytrain_hymt")
+
+TORCHRUN_SUFFIX = "@torchrun"
+#: NVLink multicast stays off on shared GPU hosts (a program that uses it can take the host's GPUs down).
+SAFE_GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+_FLEX_PACKED = ["data.packing=true", "model.attn_implementation=flex_attention"]
+#: Named cases: the tutorial's recipe first (the baseline), then one lever at a time.
+CASES: dict[str, list[str]] = {
+    # The tutorial: one pair per row padded to the longest, micro-batch 4, accumulation 4, ZeRO-3.
+    "tutorial-zero3": ["data.packing=false", "model.attn_implementation=sdpa", "optim.micro_batch_size=4",
+                       "optim.grad_accum=4", "deepspeed.zero_stage=3"],
+    # FACTS.md's best plain-DeepSpeed row: packed 1×4096 rows, flex attention with a document mask.
+    "z2-flex-4k-a4": [*_FLEX_PACKED, "optim.micro_batch_size=1", "optim.grad_accum=4", "deepspeed.zero_stage=2"],
+    "z2-flex-liger-4k-a4": [*_FLEX_PACKED, "model.fused_loss=true", "optim.micro_batch_size=1",
+                            "optim.grad_accum=4", "deepspeed.zero_stage=2"],
+    "z2-flex-liger-8k-a4": [*_FLEX_PACKED, "data.pack_tokens=8192", "model.fused_loss=true",
+                            "optim.micro_batch_size=1", "optim.grad_accum=4", "deepspeed.zero_stage=2"],
+    "z2-flex-liger-4k-a8": [*_FLEX_PACKED, "model.fused_loss=true", "optim.micro_batch_size=1",
+                            "optim.grad_accum=8", "deepspeed.zero_stage=2"],
+    "z2-flex-liger-compile-4k-a4": [*_FLEX_PACKED, "model.fused_loss=true", "model.compile=true",
+                                    "optim.micro_batch_size=1", "optim.grad_accum=4", "deepspeed.zero_stage=2"],
+    "z2-flex-liger-compile-8k-a4": [*_FLEX_PACKED, "data.pack_tokens=8192", "model.fused_loss=true",
+                                    "model.compile=true", "optim.micro_batch_size=1", "optim.grad_accum=4",
+                                    "deepspeed.zero_stage=2"],
+    "z2-flex-compile-4k-a8": [*_FLEX_PACKED, "model.compile=true", "optim.micro_batch_size=1",
+                              "optim.grad_accum=8", "deepspeed.zero_stage=2"],
+    "z2-flex-compile-4k-a16": [*_FLEX_PACKED, "model.compile=true", "optim.micro_batch_size=1",
+                               "optim.grad_accum=16", "deepspeed.zero_stage=2"],
+    "z2-flex-liger-compile-8k-a8": [*_FLEX_PACKED, "data.pack_tokens=8192", "model.fused_loss=true",
+                                    "model.compile=true", "optim.micro_batch_size=1", "optim.grad_accum=8",
+                                    "deepspeed.zero_stage=2"],
+    "z3-flex-liger-8k-a4": [*_FLEX_PACKED, "data.pack_tokens=8192", "model.fused_loss=true",
+                            "optim.micro_batch_size=1", "optim.grad_accum=4", "deepspeed.zero_stage=3"],
+    # CPU smoke shape (tests): packed rows through sdpa's dense document mask.
+    "cpu-packed": ["data.packing=true", "model.attn_implementation=sdpa", "optim.micro_batch_size=1",
+                   "optim.grad_accum=2"],
+}
+
+
+@dataclass
+class Case:
+    """One benchmark configuration: its name, overrides, and whether it runs under torchrun."""
+
+    name: str
+    overrides: list[str]
+    torchrun: bool = False
+
+
+def parse_case(spec: str) -> Case:
+    """``NAME`` (one of :data:`CASES`), ``NAME:a.b=v,c.d=w`` (a new case), either with ``@torchrun``."""
+    torchrun = spec.endswith(TORCHRUN_SUFFIX)
+    body = spec[: -len(TORCHRUN_SUFFIX)] if torchrun else spec
+    name, _, extra = body.partition(":")
+    if extra:
+        return Case(spec, [o for o in extra.split(",") if o], torchrun)
+    if name not in CASES:
+        raise ValueError(f"--case {spec!r}: unknown case {name!r}; known: {', '.join(CASES)} (or NAME:a.b=v,...)")
+    return Case(spec, list(CASES[name]), torchrun)
+
+
+def base_overrides(model: str, steps_total: int, workers: int, use_gpu: bool, storage: str) -> list[str]:
+    """Settings every case shares: the model, no tracking/export/checkpoints, data that repeats freely."""
+    gpu = [f"scaling.use_gpu={str(use_gpu).lower()}", f"deepspeed.precision={'bf16' if use_gpu else 'fp32'}"]
+    return [
+        f"model.name_or_path={model}", "model.tokenizer=tiny", *gpu, f"scaling.num_workers={workers}",
+        f"optim.max_steps={steps_total}", "optim.warmup_steps=0", "optim.schedule=constant",
+        "tracking.enabled=false", "run.export=false", "checkpoint.max_failures=0", f"run.storage_root={storage}",
+        # The sample corpus is repeated to fill the steps; dedup would drop the repeats again.
+        "data.dedup=false", "data.pack_tokens=4096", "data.max_example_tokens=256", "data.val_fraction=0.02",
+    ]
+
+
+def summarize(steps: list[dict], warmup: int, world: int, peak_flops: float | None) -> dict:
+    """Headline figures of the steps after ``warmup`` (each: ``wall_s``, ``step_s``, ``tokens``, ``flops``,
+    ``padded_tokens``). Throughput divides by the wall clock, so data waits between steps count."""
+    measured = steps[warmup:]
+    if not measured:
+        raise ValueError(f"no steps measured: {len(steps)} steps run, {warmup} of them warm-up")
+    wall = sum(s["wall_s"] for s in measured)
+    tokens = sum(s["tokens"] for s in measured)
+    flops = sum(s["flops"] for s in measured)
+    out = {
+        "steps_measured": len(measured),
+        "tokens_per_s_per_gpu": tokens / wall / world,
+        "step_time_s_median": statistics.median(s["step_s"] for s in measured),
+        "wall_per_step_s": wall / len(measured),
+        "tokens_per_step": tokens / len(measured),
+        "padding_fraction": 1.0 - tokens / max(1.0, sum(s["padded_tokens"] for s in measured)),
+        "tflops_per_gpu": flops / wall / world / 1e12,
+    }
+    out["mfu"] = flops / (wall * world * peak_flops) if peak_flops else None
+    return out
+
+
+def markdown_table(results: list[dict]) -> str:
+    """The results as a Markdown table (one row per case; failed cases show their error)."""
+    head = ("| case | launcher | ZeRO | layout | micro × accum | real tok/s/GPU | MFU | step s (median) | "
+            "peak GiB | tokens/step |\n|---|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    for r in results:
+        if "error" in r:
+            rows.append(f"| {r['case']} | {r.get('launcher', '')} | | | | failed: {r['error'][:80]} | | | | |")
+            continue
+        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "n/a"
+        rows.append(
+            f"| {r['case']} | {r['launcher']} | {r['zero_stage']} | {r['layout']} | {r['micro_batch']} × "
+            f"{r['grad_accum']} | {r['tokens_per_s_per_gpu']:,.0f} | {mfu} | {r['step_time_s_median']:.3f} | "
+            f"{r['peak_memory_gib']:.1f} | {r['tokens_per_step']:,.0f} |"
+        )
+    return "\n".join([head, *rows])
+
+
+# --- the per-worker loop (Ray Train worker or torchrun rank) -------------------------------------------
+
+
+class StandInContext:
+    """What ``Worker`` asks of ``ray.train.get_context()``, from torch.distributed (torchrun mode)."""
+
+    def get_world_rank(self) -> int:
+        import torch.distributed as dist
+
+        return dist.get_rank()
+
+    def get_world_size(self) -> int:
+        import torch.distributed as dist
+
+        return dist.get_world_size()
+
+
+@dataclass
+class StandInShard:
+    """What the loop asks of a Ray dataset shard: the global batches Ray Data produced, replayed."""
+
+    batches: list[dict] = field(default_factory=list)
+
+    def iter_batches(self, **_ignored):
+        return iter(self.batches)
+
+
+def bench_loop(loop_config: dict, context=None, shard=None) -> None:
+    """Train ``warmup + steps`` steps with ``Worker.train_step``; rank 0 writes the result JSON."""
+    import torch
+    import torch.distributed as dist
+
+    from raytrain_hymt.train_loop import LoopInputs, Worker
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    bench = loop_config.pop("bench")
+    w = Worker(LoopInputs(**loop_config), context=context)
+    t_build = time.perf_counter()
+    w.build()
+    build_s = time.perf_counter() - t_build
+    if shard is None:
+        import ray.train
+
+        shard = ray.train.get_dataset_shard("train")
+    opt = w.cfg.optim
+    global_rows = w.world * opt.grad_accum * opt.micro_batch_size
+    batches = shard.iter_batches(batch_size=global_rows, batch_format="numpy", drop_last=True, prefetch_batches=2)
+    steps = []
+    last = time.perf_counter()
+    for global_batch in batches:
+        m = w.train_step(global_batch)
+        now = time.perf_counter()
+        seconds = m["train/step_time_s"]
+        tokens = m["train/tokens_per_s_per_worker"] * seconds * w.world
+        flops = (m.get("train/mfu") or 0.0) * seconds * w.world * (w.peak or 0.0)
+        steps.append({"wall_s": now - last, "step_s": seconds, "tokens": tokens, "flops": flops,
+                      "padded_tokens": _padded_tokens(w.cfg, global_batch), "loss": m["train/loss"]})
+        last = now
+        if w.rank == 0:
+            log.info("bench %s step %d: %.3f s, %.0f tok/s/GPU, loss %.3f", bench["case"], len(steps), seconds,
+                     m["train/tokens_per_s_per_worker"], m["train/loss"])
+        if len(steps) >= bench["warmup"] + bench["steps"]:
+            break
+    peak = torch.tensor([m["train/memory_gib"]], dtype=torch.float64, device=w.device)
+    if dist.is_initialized():
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    if w.rank == 0:
+        result = summarize(steps, bench["warmup"], w.world, w.peak)
+        cfg = w.cfg
+        result.update({
+            "case": bench["case"], "launcher": bench["launcher"], "world": w.world,
+            "zero_stage": cfg.deepspeed.zero_stage, "micro_batch": opt.micro_batch_size, "grad_accum": opt.grad_accum,
+            "layout": (f"packed {cfg.data.pack_tokens}" if cfg.data.packing else "padded") + f" {cfg.model.attn_implementation}",
+            "fused_loss": cfg.model.fused_loss, "compile": cfg.model.compile,
+            "activation_checkpointing": cfg.deepspeed.activation_checkpointing,
+            "params": w.shape[0], "layers": w.shape[1], "peak_memory_gib": float(peak.item()),
+            "build_s": build_s, "device": torch.cuda.get_device_name(w.device) if w.device.type == "cuda" else "cpu",
+            "losses": [s["loss"] for s in steps], "step_times_s": [s["step_s"] for s in steps],
+            "wall_times_s": [s["wall_s"] for s in steps], "overrides": bench["overrides"],
+        })
+        Path(bench["result_path"]).write_text(json.dumps(result))
+
+
+def _padded_tokens(cfg, global_batch: dict) -> float:
+    """Token slots this step computed, padding included (rows padded as ``Worker.collate`` pads them)."""
+    rows = len(global_batch["input_ids"])
+    if cfg.data.packing and cfg.model.attn_implementation == "flex_attention":
+        return float(rows * cfg.data.pack_tokens)
+    b = cfg.optim.micro_batch_size
+    lengths = [len(r) for r in global_batch["input_ids"]]
+    # Each micro-batch pads to its longest row (rounded up to 8).
+    return float(sum(-(-max(lengths[i : i + b]) // 8) * 8 * len(lengths[i : i + b]) for i in range(0, rows, b)))
+
+
+def _torchrun_worker(spec_path: str) -> None:
+    """Entry of one torchrun rank (``python -m torch.distributed.run ... -m raytrain_hymt.bench SPEC``)."""
+    import torch
+    import torch.distributed as dist
+
+    spec = json.loads(Path(spec_path).read_text())
+    if spec["use_gpu"]:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    else:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported
+    dist.init_process_group("nccl" if spec["use_gpu"] else "gloo")
+    try:
+        with open(spec["batches_path"], "rb") as f:
+            batches = pickle.load(f)
+        bench_loop(spec["loop_config"], context=StandInContext(), shard=StandInShard(batches))
+    finally:
+        dist.destroy_process_group()
+
+
+# --- the driver ----------------------------------------------------------------------------------------
+
+
+def model_name(shape: str, layers: int, tied: bool, workdir: Path) -> str:
+    """``model.name_or_path`` of the benchmark model: ``tiny``, or ``random:<config.json>`` of the
+    Hunyuan-7B shape with ``layers`` layers (written to ``workdir``)."""
+    from raytrain_hymt.model import RANDOM_PREFIX, hunyuan_7b_config
+
+    if shape == "tiny":
+        return "tiny"
+    if shape != "7b":
+        raise ValueError(f"--shape {shape!r}: expected 7b or tiny")
+    path = workdir / f"hunyuan-7b-{layers}l-{'tied' if tied else 'untied'}.json"
+    path.write_text(json.dumps(hunyuan_7b_config(layers=layers, tie_word_embeddings=tied)))
+    return f"{RANDOM_PREFIX}{path}"
+
+
+def repeat_sources(cfg, copies: int) -> None:
+    """Read every source ``copies`` times (their ``weight``), so the corpus fills the benchmark's steps.
+    Repeating at the source keeps every block of the final dataset distinct (a union of one materialized
+    dataset with itself repeats block references, which Ray Data's prefetcher rejects)."""
+    cfg.data.sources = [s.model_copy(update={"weight": s.weight * copies}) for s in cfg.data.sources]
+
+
+def _datasets(cfg, cache: dict, needed_rows: int):
+    """``build_datasets(cfg)``, with the sources repeated until there are ``needed_rows`` training rows;
+    cached per data config (cases that share one reuse it)."""
+    from raytrain_hymt.data.pipeline import build_datasets
+
+    def build():
+        key = json.dumps(cfg.data.model_dump(mode="json"), sort_keys=True)
+        if key not in cache:
+            cache[key] = build_datasets(cfg)
+        return cache[key]
+
+    train, val, stats = build()
+    if stats.train_rows < needed_rows:
+        repeat_sources(cfg, -(-needed_rows // max(stats.train_rows, 1)) + 1)  # +1: packs of a repeat vary
+        train, val, stats = build()
+    return train, val, stats
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)
+
+
+def _run_ray(cfg, train, val, loop_inputs: dict) -> None:
+    from raytrain_hymt.trainer import _trainer
+
+    _trainer(cfg, train, val, loop_inputs, loop=bench_loop).fit()
+
+
+def _run_torchrun(cfg, train, loop_inputs: dict, workdir: Path, global_rows: int, count: int) -> None:
+    """The same loop under torchrun, on the very global batches Ray Data produces for the Ray case."""
+    batches = []
+    for batch in train.iter_batches(batch_size=global_rows, batch_format="numpy", drop_last=True):
+        batches.append(batch)
+        if len(batches) == count:
+            break
+    stem = workdir / _slug(loop_inputs["bench"]["case"])
+    batches_path = stem.with_suffix(".batches.pkl")
+    with open(batches_path, "wb") as f:
+        pickle.dump(batches, f)
+    spec_path = stem.with_suffix(".spec.json")
+    spec_path.write_text(json.dumps({"use_gpu": cfg.scaling.use_gpu, "batches_path": str(batches_path),
+                                     "loop_config": loop_inputs}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cfg.scaling.num_workers}",
+           "-m", "raytrain_hymt.bench", str(spec_path)]
+    env = dict(os.environ)
+    repo = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (repo, env.get("PYTHONPATH")) if p)
+    done = subprocess.run(cmd, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"torchrun exited with {done.returncode} (see the log above)")
+
+
+def run_benchmark(case_specs: list[str], *, shape: str = "7b", layers: int = 32, tied: bool = True,
+                  steps: int = 10, warmup: int = 3, workers: int = 2, use_gpu: bool = True,
+                  out_dir: str | Path = "bench_out", extra: list[str] = ()) -> list[dict]:
+    """Run every case in turn; append one JSON line per case to ``<out_dir>/results.jsonl`` and write
+    ``<out_dir>/table.md``. A failing case (e.g. out of memory) is recorded with its error; the rest run."""
+    from raytrain_hymt.config import load_config
+    from raytrain_hymt.trainer import init_ray
+
+    cases = [parse_case(s) for s in case_specs]
+    out = Path(out_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    if use_gpu:
+        for key, value in SAFE_GPU_ENV.items():  # inherited by Ray's and torchrun's workers
+            os.environ.setdefault(key, value)
+    model = model_name(shape, layers, tied, out)
+    base = base_overrides(model, warmup + steps, workers, use_gpu, str(out / "runs"))
+    data_cache: dict[str, tuple] = {}
+    results = []
+    for case in cases:
+        cfg = load_config(None, [*base, *case.overrides, *extra])
+        cfg.run.name = f"bench-{_slug(case.name)}-{int(time.time())}"
+        init_ray(cfg)
+        opt = cfg.optim
+        global_rows = workers * opt.grad_accum * opt.micro_batch_size
+        needed = global_rows * (warmup + steps)
+        train, val, stats = _datasets(cfg, data_cache, needed)
+        result_path = out / f"{_slug(case.name)}.result.json"
+        result_path.unlink(missing_ok=True)
+        loop_inputs = {
+            "config": cfg.model_dump(mode="json"), "train_rows": stats.train_rows, "tracking_run_id": None,
+            "tracking_uri": None, "run_dir": str(out / "runs"),
+            "bench": {"case": case.name, "launcher": "torchrun" if case.torchrun else "ray-train",
+                      "warmup": warmup, "steps": steps, "result_path": str(result_path),
+                      "overrides": case.overrides},
+        }
+        log.info("case %s: %s", case.name, " ".join(case.overrides))
+        started = time.time()
+        try:
+            if case.torchrun:
+                _run_torchrun(cfg, train, loop_inputs, out, global_rows, needed // global_rows)
+            else:
+                _run_ray(cfg, train, val, loop_inputs)
+            result = json.loads(result_path.read_text())
+        except Exception as e:  # one failed case (out of memory, say) must not lose the others
+            log.exception("case %s failed", case.name)
+            result = {"case": case.name, "launcher": loop_inputs["bench"]["launcher"], "error": f"{type(e).__name__}: {e}"}
+        result["case_wall_s"] = time.time() - started
+        result["data"] = {"train_examples": stats.train_examples, "train_rows": stats.train_rows,
+                          "mean_example_tokens": stats.train_tokens / max(stats.train_examples, 1)}
+        results.append(result)
+        line = json.dumps(result)
+        print(line, flush=True)
+        with open(out / "results.jsonl", "a") as f:
+            f.write(line + "\n")
+        (out / "table.md").write_text(markdown_table(results) + "\n")
+    return results
+
+
+def document_mask_check(device: str = "cuda", attn_implementation: str = "flex_attention") -> float:
+    """Largest |logit difference| between three pairs packed in one row (document mask) and the same
+    pairs run one by one, on the tiny random model in fp32: ~1e-6 means the mask is right, ~0.1 wrong."""
+    import numpy as np
+    import torch
+
+    from raytrain_hymt.data.packing import collate, pack_examples
+    from raytrain_hymt.model import load_model, load_tokenizer
+
+    tok = load_tokenizer("tiny")
+    model = load_model("tiny", tok, dtype=torch.float32, attn_implementation=attn_implementation).to(device).eval()
+    rng = np.random.default_rng(0)
+    ids = [rng.integers(10, 1000, n) for n in (37, 90, 61)]
+    examples = {"input_ids": np.array(ids, dtype=object), "labels": np.array(ids, dtype=object),
+                "example_id": np.arange(3)}
+    pad_to = 256 if attn_implementation == "flex_attention" else None  # flex needs a multiple of its block
+
+    def logits(rows):
+        b = collate(rows, pad_token_id=tok.pad_token_id, attn_implementation=attn_implementation, device=device,
+                    pad_to=pad_to)
+        with torch.no_grad():
+            return model(input_ids=b["input_ids"], position_ids=b["position_ids"],
+                         attention_mask=b["attention_mask"], use_cache=False).logits
+    packed = logits(pack_examples(examples, 256))[0]
+    worst, start = 0.0, 0
+    for i, a in enumerate(ids):
+        single = {k: v[i : i + 1] for k, v in examples.items()}
+        alone = logits(pack_examples(single, 256))[0, : a.size]
+        worst = max(worst, float((packed[start : start + a.size] - alone).abs().max()))
+        start += a.size
+    return worst
+
+
+if __name__ == "__main__":
+    _torchrun_worker(sys.argv[1])
