@@ -49,6 +49,8 @@ HTTP_ENV_DEFAULTS = {
     "MLFLOW_HTTP_REQUEST_TIMEOUT": "5",
     "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "0",  # an int in MLflow
     "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0",
+    # MLflow prints "View run ... at: <tracking URI>" when a run ends: with the URI's password in it.
+    "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
 }
 
 

@@ -36,3 +36,18 @@ def test_train_job_submitted_with_the_ray_cli_succeeds(tmp_path):
     summary = json.loads((storage / "submitted" / "summary.json").read_text())
     assert summary["steps"] == 6
     assert Path(summary["model_dir"], "model.safetensors").exists()
+
+
+def test_tune_job_submitted_with_the_ray_cli_succeeds(tmp_path):
+    storage = tmp_path / "runs"
+    with ray_head() as (url, env):
+        submit = subprocess.run(
+            [str(BIN / "ray"), "job", "submit", "--address", url, "--working-dir", ".", "--",
+             "python", "jobs/tune.py", "--config", "tune-tiny-cpu", "--name", "submitted-search",
+             "--set", f"run.storage_root={storage}", "--set", "optim.max_steps=2", "--set", "eval.every_steps=2",
+             "--set", "checkpoint.every_steps=2", "--set", "tune.lr_grid=[3.0e-3]"],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+        )
+    assert submit.returncode == 0, f"{submit.stdout[-3000:]}\n{submit.stderr[-2000:]}"
+    assert "search submitted-search: 1 trial of up to 2 steps" in submit.stdout
+    assert (storage / "submitted-search" / "best.yaml").exists()
