@@ -5,7 +5,12 @@ Layout of one checkpoint (Ray merges the folder each rank reports into one):
     hf/                        model config + tokenizer, so export needs nothing but this folder (rank 0)
     <tag>/...                  DeepSpeed's files: model states, each rank's optimizer shard
     rng/rank<R>.pt             each rank's RNG states
-    complete/rank<R>           written last by each rank: the checkpoint is whole only with all of them
+    complete/rank<R>           written last by each rank: the sizes of every file that rank wrote
+
+A checkpoint is usable only when every rank's marker is there and every file it lists has the size it
+lists (``check_checkpoint``). Sizes, not just presence: Ray's upload copies a folder's files in no fixed
+order, so in storage a marker can arrive before a shard that is still being written, and a copy that
+was cut off leaves a short file behind.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass
@@ -27,13 +33,18 @@ log = logging.getLogger(__name__)
 
 STATE_FILE = "state.json"
 HF_DIR = "hf"
+MARKER_DIR = "complete"
+#: Name of a checkpoint folder in the run folder (``checkpoint_dir_name`` given to ``ray.train.report``).
+CHECKPOINT_DIR_RE = re.compile(r"^checkpoint_step(\d{8})(?:-g(\d+))?$")
+#: peft's adapter config, saved into ``hf/`` by LoRA runs: export merges the adapters with it.
+LORA_CONFIG_FILE = "adapter_config.json"
 
 # The model card's suggested sampling (FACTS.md); written into the exported generation_config.json.
 GENERATION_DEFAULTS = {"do_sample": True, "top_k": 20, "top_p": 0.6, "repetition_penalty": 1.05, "temperature": 0.7}
 
 
 class IncompleteCheckpointError(RuntimeError):
-    """A checkpoint that was cut off mid-write (a rank's marker is missing)."""
+    """A checkpoint that was cut off mid-write (a marker missing, a file missing or short)."""
 
 
 @dataclass
@@ -48,11 +59,29 @@ class RunState:
     zero_stage: int
     tracking_run_id: str | None = None
     skipped_steps: int = 0
+    generation: int = 0
+    """Times the run fell back to a checkpoint older than Ray's latest; part of the folder name, so a
+    re-saved step never lands in the folder of a rejected checkpoint Ray still tracks (and deletes)."""
 
 
 def step_tag(step: int) -> str:
     """DeepSpeed tag of the checkpoint at ``step`` (never ``latest``: DeepSpeed writes a file of that name)."""
     return f"step{step:08d}"
+
+
+def checkpoint_dir_name(step: int, generation: int = 0) -> str:
+    """Folder of the checkpoint at ``step`` inside the run folder: ``checkpoint_step00000010``, with
+    ``-g<N>`` after the run fell back to an older checkpoint N times."""
+    return f"checkpoint_{step_tag(step)}" + (f"-g{generation}" if generation else "")
+
+
+def _dir_order(name: str) -> tuple[int, int] | None:
+    m = CHECKPOINT_DIR_RE.match(name)
+    return (int(m.group(1)), int(m.group(2) or 0)) if m else None
+
+
+def _file_sizes(folder: Path) -> dict[str, int]:
+    return {p.relative_to(folder).as_posix(): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def save_rank_checkpoint(engine, state: RunState, rank: int, tokenizer=None) -> str:
@@ -70,40 +99,99 @@ def save_rank_checkpoint(engine, state: RunState, rank: int, tokenizer=None) -> 
         Path(folder, STATE_FILE).write_text(json.dumps(asdict(state), indent=1))
         hf = Path(folder, HF_DIR)
         engine.module.config.save_pretrained(hf)
+        if hasattr(engine.module, "peft_config"):  # LoRA: export merges the adapters (export_hf)
+            engine.module.peft_config["default"].save_pretrained(hf)
         if tokenizer is not None:
             tokenizer.save_pretrained(hf)
-    marker = Path(folder, "complete")
+    # The folder holds only this rank's files: they are what its marker vouches for.
+    manifest = _file_sizes(Path(folder))
+    marker = Path(folder, MARKER_DIR)
     marker.mkdir()
     # Last write: a checkpoint whose markers are not all there was cut off and is never resumed from.
-    (marker / f"rank{rank}").write_text("ok")
+    (marker / f"rank{rank}").write_text(json.dumps({"files": manifest}, indent=0))
     return folder
 
 
-def read_state(folder: str | os.PathLike) -> RunState:
-    """The run state of a checkpoint folder, after checking every rank's marker is there."""
-    path = Path(folder, STATE_FILE)
-    if not path.exists():
-        raise IncompleteCheckpointError(f"{folder}: no {STATE_FILE} (rank 0 did not finish writing)")
-    state = RunState(**json.loads(path.read_text()))
-    missing = [r for r in range(state.world_size) if not Path(folder, "complete", f"rank{r}").exists()]
+def _local(folder: str | os.PathLike):
+    """``(filesystem, path)`` of a local folder, the form ``check_checkpoint`` takes."""
+    import pyarrow.fs
+
+    return pyarrow.fs.LocalFileSystem(), str(Path(folder).resolve())
+
+
+def check_checkpoint(fs, path: str) -> RunState:
+    """The run state of the checkpoint at ``path`` on pyarrow filesystem ``fs``, after checking it is whole.
+
+    Raises ``IncompleteCheckpointError`` naming what is wrong: no state, a rank's marker missing, a file
+    its marker lists missing or of another size. Reads only the listing, ``state.json`` and the markers
+    (a few small files), so it is cheap on object stores too.
+    """
+    import pyarrow.fs
+
+    path = path.rstrip("/")
+    try:
+        infos = fs.get_file_info(pyarrow.fs.FileSelector(path, recursive=True))
+    except (FileNotFoundError, OSError) as e:
+        raise IncompleteCheckpointError(f"{path}: cannot list the checkpoint ({e})") from None
+    sizes = {i.path[len(path) + 1:]: i.size for i in infos if i.type == pyarrow.fs.FileType.File}
+    if STATE_FILE not in sizes:
+        raise IncompleteCheckpointError(f"{path}: no {STATE_FILE} (rank 0 did not finish writing)")
+    with fs.open_input_stream(f"{path}/{STATE_FILE}") as f:
+        state = RunState(**json.loads(f.read()))
+    missing = [r for r in range(state.world_size) if f"{MARKER_DIR}/rank{r}" not in sizes]
     if missing:
-        raise IncompleteCheckpointError(f"{folder}: ranks {missing} did not finish writing their shard")
+        raise IncompleteCheckpointError(f"{path}: ranks {missing} did not finish writing their part (no marker)")
+    for rank in range(state.world_size):
+        with fs.open_input_stream(f"{path}/{MARKER_DIR}/rank{rank}") as f:
+            listed = json.loads(f.read())["files"]
+        for name, size in listed.items():
+            if name not in sizes:
+                raise IncompleteCheckpointError(f"{path}: {name} of rank {rank} is missing")
+            if sizes[name] != size:
+                raise IncompleteCheckpointError(
+                    f"{path}: {name} of rank {rank} has {sizes[name]} bytes, {size} were written (cut off)")
     return state
 
 
+def read_state(folder: str | os.PathLike) -> RunState:
+    """The run state of a local checkpoint folder, after checking it is whole (``check_checkpoint``)."""
+    return check_checkpoint(*_local(folder))
+
+
+def older_checkpoints(fs, path: str) -> list[str]:
+    """Checkpoint folders beside ``path`` in its run folder with a smaller step, newest first.
+
+    Ray hands a restarted worker group only its latest checkpoint; these are the fallbacks when that one
+    turns out to be cut off.
+    """
+    import pyarrow.fs
+
+    parent, name = path.rstrip("/").rsplit("/", 1)
+    mine = _dir_order(name)
+    found = []
+    for info in fs.get_file_info(pyarrow.fs.FileSelector(parent)):
+        order = _dir_order(info.base_name)
+        if order and info.type == pyarrow.fs.FileType.Directory and (mine is None or order < mine):
+            found.append((order, info.path))
+    return [p for _, p in sorted(found, reverse=True)]
+
+
 def restore_rank(engine, folder: str, rank: int) -> RunState:
-    """Load this rank's DeepSpeed shard, scheduler and RNG states from a merged checkpoint folder."""
-    state = read_state(folder)
+    """Load this rank's DeepSpeed shard, scheduler and RNG states from a merged checkpoint folder.
+
+    The caller checks the folder first (``check_checkpoint``); a file that is whole in size but not in
+    content still makes DeepSpeed's ``torch.load`` raise here.
+    """
+    with open(Path(folder, STATE_FILE)) as f:
+        state = RunState(**json.load(f))
     load_path, _ = engine.load_checkpoint(folder, tag=state.tag, load_lr_scheduler_states=True)
     if load_path is None:
         raise IncompleteCheckpointError(f"{folder}: DeepSpeed found no checkpoint under tag {state.tag}")
-    rng_file = Path(folder, "rng", f"rank{rank}.pt")
-    if rng_file.exists():
-        rng = torch.load(rng_file, weights_only=False)
-        random.setstate(rng["python"])
-        torch.set_rng_state(rng["torch"])
-        if rng["cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
+    rng = torch.load(Path(folder, "rng", f"rank{rank}.pt"), weights_only=False)
+    random.setstate(rng["python"])
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
     return state
 
 
@@ -129,10 +217,20 @@ def export_hf(folder: str | os.PathLike, out_dir: str | os.PathLike, dtype: torc
     weights = full_state_dict(folder)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
+    lora = (hf / LORA_CONFIG_FILE).exists()
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig.from_pretrained(hf))
+        # Frozen base weights come back in the training dtype: merge in fp32, round once at the end.
+        weights = {k: v.float() if v.is_floating_point() else v for k, v in weights.items()}
     missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
-    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    tied = {k for k in missing if k.endswith("lm_head.weight")} if config.tie_word_embeddings else set()
     if set(missing) - tied or unexpected:
         raise RuntimeError(f"{folder}: checkpoint does not match its model config: missing {missing}, unexpected {unexpected}")
+    if lora:
+        # W + B·A·alpha/r into each target layer, adapters dropped: the export is a plain model.
+        model = model.merge_and_unload()
     if tied:
         model.tie_weights()
     model = model.to(dtype)

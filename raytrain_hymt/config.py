@@ -44,13 +44,15 @@ class SourceConfig(_Section):
     tgt_lang: str | None = None
     """Target language code. Required unless the rows carry languages."""
     src_column: str = "src"
-    """Column of the source text (jsonl/parquet/hf). With a ``translation`` column, the src_lang key."""
+    """Column of the source text (jsonl/parquet/hf). A dict/struct column keyed by language, like Hugging
+    Face's ``translation: {"en": ..., "zh": ...}``, is read at ``src_lang``: set both columns to it."""
     tgt_column: str = "tgt"
-    """Column of the target text (jsonl/parquet/hf)."""
+    """Column of the target text (jsonl/parquet/hf); a dict/struct column is read at ``tgt_lang``."""
     split: str = "train"
     """Split name for ``hf_hub`` / ``hf_disk`` sources that hold several splits."""
     weight: float = Field(1.0, gt=0)
-    """Relative sampling weight when several sources are mixed (1.0: every row once)."""
+    """How often each kept pair is used: 1.0 once, 3.0 three times, 0.5 a seeded half (the rest counted
+    as ``subsampled``). Applied after cleaning and dedup."""
 
 
 class DataConfig(_Section):
@@ -78,7 +80,8 @@ class DataConfig(_Section):
     drop_identical: bool = True
     """Drop pairs whose source equals the target (untranslated copies)."""
     dedup: bool = True
-    """Drop exact duplicate pairs (same languages, source and target after normalisation)."""
+    """Drop exact duplicate pairs (same languages, source and target after normalisation), across all
+    sources, keeping the one with the smallest ``example_id``; counted as ``duplicate``."""
     on_unsupported_language: Literal["drop", "error"] = "drop"
     """A row in a language Hunyuan-MT does not know (e.g. Tatoeba's ``wuu``): drop and count, or fail."""
     max_bad_fraction: float = Field(0.01, ge=0, le=1)
@@ -117,6 +120,13 @@ class ModelConfig(_Section):
     attn_implementation: Literal["sdpa", "eager", "flex_attention"] = "sdpa"
     """Attention kernel. Packed rows need document masking: ``flex_attention`` (fast on GPU) or a dense
     block-diagonal mask through ``sdpa``/``eager``."""
+    fused_loss: bool = False
+    """Compute the output head and cross-entropy in one chunked kernel (Liger's fused linear
+    cross-entropy) instead of materialising ``[tokens, vocab]`` logits: less memory at a 128k vocabulary,
+    so longer micro-batches fit. GPU only (Triton kernels; needs the ``liger-kernel`` package)."""
+    compile: bool = False
+    """``torch.compile`` each decoder layer (regional compilation: one compile serves every layer).
+    GPU only; the first steps are slower while it compiles."""
 
 
 class OptimConfig(_Section):
@@ -173,6 +183,28 @@ class DeepSpeedConfig(_Section):
     from this config). A value that contradicts this config is an error."""
 
 
+class LoraConfig(_Section):
+    """LoRA adapters through ``peft``: only the adapters train; export merges them into the base weights."""
+
+    enabled: bool = False
+    """Train LoRA adapters instead of every weight (the base model stays frozen)."""
+    rank: int = Field(16, ge=1)
+    """Adapter rank ``r``."""
+    alpha: float = Field(32.0, gt=0)
+    """Scaling numerator: the adapter's update is multiplied by ``alpha / rank``."""
+    dropout: float = Field(0.05, ge=0, lt=1)
+    """Dropout on the adapter's input."""
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    """Module names that get adapters; the default is Hunyuan-MT's own recipe (the attention projections
+    of ``hunyuan_v1_dense``). Add ``gate_proj``, ``up_proj``, ``down_proj`` to adapt the MLP too."""
+
+    @model_validator(mode="after")
+    def _check(self) -> LoraConfig:
+        if not self.target_modules:
+            raise ValueError("lora.target_modules is empty: name the modules that get adapters (e.g. q_proj)")
+        return self
+
+
 class ScalingConfig(_Section):
     """Workers and their resources."""
 
@@ -191,11 +223,22 @@ class CheckpointConfig(_Section):
     """Checkpoints and failure handling."""
 
     every_steps: int = Field(50, ge=1)
-    """Save a checkpoint every this many optimizer steps (and always at the end)."""
+    """Save a checkpoint every this many optimizer steps (and always at the end). A failure loses at most
+    this many steps of work."""
     num_to_keep: int = Field(2, ge=1)
-    """Checkpoints kept in storage (the newest)."""
+    """Checkpoints kept in storage (the newest). Keep at least 2: when the newest was cut off mid-write,
+    the run resumes from the one before."""
     max_failures: int = Field(1, ge=-1)
-    """Worker-group restarts allowed before the job fails (-1: unlimited)."""
+    """Worker-group restarts allowed before the job fails (-1: unlimited). Each restart resumes from the
+    latest whole checkpoint."""
+    async_upload: bool = False
+    """Upload checkpoints to ``run.storage_root`` in a background thread (Ray's
+    ``CheckpointUploadMode.ASYNC``): training goes on while a slow object store receives the files. Off:
+    every rank waits until its shard is stored."""
+    on_nonfinite: Literal["skip", "fail"] = "skip"
+    """A step whose loss or gradient norm is NaN/inf: ``skip`` discards the step's update (the batch is
+    consumed, counted in ``train/skipped_steps`` and logged); ``fail`` stops the run with an error naming
+    the step and rank. Either way the optimizer update never happens."""
 
 
 class TrackingConfig(_Section):
@@ -210,7 +253,13 @@ class TrackingConfig(_Section):
     log_every_steps: int = Field(1, ge=1)
     """Log training metrics every this many optimizer steps."""
     tensorboard: bool = False
-    """Also write the scalars as TensorBoard event files under the run folder."""
+    """Also write the scalars as TensorBoard event files under ``<run folder>/tensorboard``."""
+    log_model: bool = False
+    """Upload the exported Hugging Face model folder as an MLflow artifact (off: a 7B model is ~15 GB;
+    the run's ``model_dir`` tag says where it is)."""
+    retry_interval_s: float = Field(30.0, gt=0)
+    """While the tracking server is unreachable, try it again at most this often (each try costs at most
+    ``$MLFLOW_HTTP_REQUEST_TIMEOUT``, 5 s by default); metrics wait in a queue and in ``metrics.jsonl``."""
 
 
 class EvalConfig(_Section):
@@ -218,6 +267,51 @@ class EvalConfig(_Section):
 
     every_steps: int = Field(50, ge=1)
     """Compute the validation loss every this many optimizer steps (and at the end)."""
+
+
+class TuneConfig(_Section):
+    """Hyperparameter search (``hymt tune``): every trial is a full training run of this config.
+
+    Each list below is a grid dimension (trials = the product of the lists × ``num_samples``);
+    ``lr_range`` instead draws ``num_samples`` learning rates log-uniformly per grid point.
+    """
+
+    lr_grid: list[float] | None = None
+    """Learning rates to try (a grid). Exactly one of ``lr_grid`` and ``lr_range`` is set."""
+    lr_range: tuple[float, float] | None = None
+    """``[low, high]``: learning rates drawn log-uniformly between them."""
+    num_samples: int = Field(1, ge=1)
+    """Repeats of the grid; with ``lr_range``, learning rates drawn per grid point."""
+    warmup_steps: list[int] | None = None
+    """Optional grid of ``optim.warmup_steps``."""
+    lora_rank: list[int] | None = None
+    """Optional grid of ``lora.rank`` (turns ``lora.enabled`` on in every trial)."""
+    grace_period_steps: int | None = Field(None, ge=1)
+    """ASHA: steps every trial runs before it can be stopped early (None: ``eval.every_steps``). The
+    validation loss is reported every ``eval.every_steps``; ASHA compares trials on it."""
+    reduction_factor: float = Field(2.0, gt=1)
+    """ASHA: at each rung only the best ``1/reduction_factor`` of the trials continue."""
+    max_concurrent_trials: int | None = Field(None, ge=1)
+    """Upper bound on trials running at once (None: as many as the cluster's CPUs/GPUs fit, each trial
+    needing ``scaling.num_workers`` workers plus ``driver_cpus``)."""
+    driver_cpus: float = Field(0.5, gt=0)
+    """Logical CPUs of each trial's driver (the Tune trial that runs the TorchTrainer; it mostly waits)."""
+    seed: int | None = None
+    """Seed of the sampling of ``lr_range`` (None: random)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> TuneConfig:
+        if (self.lr_grid is None) == (self.lr_range is None):
+            raise ValueError("set exactly one of tune.lr_grid (a list) and tune.lr_range ([low, high])")
+        if self.lr_grid is not None and (not self.lr_grid or min(self.lr_grid) <= 0):
+            raise ValueError(f"tune.lr_grid must be a non-empty list of positive numbers (got {self.lr_grid})")
+        if self.lr_range is not None and not 0 < self.lr_range[0] < self.lr_range[1]:
+            raise ValueError(f"tune.lr_range must be [low, high] with 0 < low < high (got {list(self.lr_range)})")
+        for name in ("warmup_steps", "lora_rank"):
+            values = getattr(self, name)
+            if values is not None and not values:
+                raise ValueError(f"tune.{name} is an empty list: leave it out or give values")
+        return self
 
 
 class RunConfig(_Section):
@@ -250,11 +344,14 @@ class Config(_Section):
     data: DataConfig = Field(default_factory=DataConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     deepspeed: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
     scaling: ScalingConfig = Field(default_factory=ScalingConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     run: RunConfig = Field(default_factory=RunConfig)
+    tune: TuneConfig | None = None
+    """The hyperparameter search (``hymt tune``); ignored by ``hymt train``."""
 
     @model_validator(mode="after")
     def _check(self) -> Config:
@@ -265,6 +362,15 @@ class Config(_Section):
             raise ValueError("deepspeed.offload_optimizer needs deepspeed.zero_stage >= 1 (got 0)")
         if ds.precision == "fp16" and not self.scaling.use_gpu:
             raise ValueError("deepspeed.precision fp16 needs GPUs (scaling.use_gpu: true); use bf16 or fp32 on CPU")
+        if self.model.attn_implementation == "flex_attention" and not self.scaling.use_gpu:
+            # torch's CPU flex_attention has a forward but no backward: training would fail at step 1.
+            raise ValueError(
+                "model.attn_implementation flex_attention cannot train on CPU (no CPU backward in torch); "
+                "use sdpa or eager, or set scaling.use_gpu: true"
+            )
+        for lever in ("fused_loss", "compile"):
+            if getattr(self.model, lever) and not self.scaling.use_gpu:
+                raise ValueError(f"model.{lever} needs GPUs (scaling.use_gpu: true); its kernels are GPU-only")
         if self.data.packing and self.data.pack_tokens < self.data.max_example_tokens:
             raise ValueError(
                 f"data.pack_tokens ({self.data.pack_tokens}) must be >= data.max_example_tokens "

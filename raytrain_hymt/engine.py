@@ -153,6 +153,9 @@ def _record_fp32_grad_norm(engine) -> None:
 
     def clip_and_record():
         grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+        if not grads:  # train_loop dropped the gradients of a non-finite step: the update is skipped
+            engine._global_grad_norm = float("inf")
+            return
         norm = float(torch.stack([g.detach().double().pow(2).sum() for g in grads]).sum().sqrt())
         coef = min(1.0, engine.gradient_clipping() / (norm + 1e-6))
         if coef < 1.0:

@@ -3,6 +3,14 @@
 from __future__ import annotations
 
 
+class NonFiniteError(FloatingPointError):
+    """A training step produced a non-finite loss or gradient norm (``checkpoint.on_nonfinite: fail``)."""
+
+
+class TrainingFailed(RuntimeError):
+    """Training ended with an error after the failure budget was spent; the message says what and where."""
+
+
 def _root_causes(exc: BaseException) -> list[tuple[str, BaseException]]:
     """(where, exception) pairs: Ray Train wraps worker errors per rank; walk to the originals."""
     found: list[tuple[str, BaseException]] = []
@@ -18,7 +26,8 @@ def _unwrap(exc: BaseException) -> BaseException:
     seen = set()
     while id(exc) not in seen:
         seen.add(id(exc))
-        inner = getattr(exc, "cause", None) or getattr(exc, "__cause__", None)
+        inner = (getattr(exc, "cause", None) or getattr(exc, "controller_failure", None)
+                 or getattr(exc, "__cause__", None))
         if not isinstance(inner, BaseException):
             break
         exc = inner
@@ -27,6 +36,8 @@ def _unwrap(exc: BaseException) -> BaseException:
 
 def describe_failure(exc: BaseException) -> str:
     """``"training failed on rank 1: ValueError: ..."`` for Ray Train errors, ``"Type: msg"`` otherwise."""
+    if isinstance(exc, TrainingFailed):
+        return str(exc)
     causes = _root_causes(exc)
     parts = []
     for where, err in causes:
@@ -34,3 +45,12 @@ def describe_failure(exc: BaseException) -> str:
         parts.append(f"{where}: {text}" if where else text)
     prefix = "training failed on " if any(w for w, _ in causes) else ""
     return prefix + "; ".join(parts)
+
+
+def budget_spent(exc: BaseException, max_failures: int) -> TrainingFailed:
+    """The error a run ends with when Ray Train gave up: the original failure, then the budget it spent."""
+    attempts = "" if max_failures < 0 else f" after {max_failures + 1} attempt{'s' if max_failures else ''}"
+    return TrainingFailed(
+        f"{describe_failure(exc)}{attempts} (checkpoint.max_failures={max_failures}; the run resumes from "
+        "its last good checkpoint when submitted again with the same name)"
+    )

@@ -105,15 +105,19 @@ def load_model(
     attn_implementation: str = "sdpa",
     trust_remote_code: bool = False,
     seed: int = 0,
+    device: torch.device | str | None = None,
 ):
     """The causal LM to fine-tune: pretrained weights from a folder or hub id, or the tiny random model.
 
     Hunyuan-MT is a causal LM (``HunYuanDenseV1ForCausalLM``), never seq2seq. Its shape is read from the
     checkpoint's own config.json, so tied/untied embeddings and the vocabulary follow the files.
+    ``random:<config.json>`` builds a random-init model of that shape on ``device`` (benchmarks).
     """
     from transformers import AutoModelForCausalLM
 
-    if name_or_path == TINY_MODEL:
+    if name_or_path.startswith(RANDOM_PREFIX):
+        model = _random_model(name_or_path[len(RANDOM_PREFIX):], tokenizer, dtype, attn_implementation, seed, device)
+    elif name_or_path == TINY_MODEL:
         torch.manual_seed(seed)
         cfg = tiny_model_config(
             padded_vocab_size(tokenizer),
@@ -132,4 +136,85 @@ def load_model(
         )
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+#: ``model.name_or_path`` prefix of a random-init model built from a ``config.json`` (benchmarks: no
+#: download, no weights): ``random:/path/to/config.json``.
+RANDOM_PREFIX = "random:"
+
+
+def hunyuan_7b_config(layers: int = 32, tie_word_embeddings: bool = True, **overrides) -> dict:
+    """``config.json`` contents of the Hunyuan-7B shape (FACTS.md): hidden 4096, 32 heads, 8 KV heads,
+    head_dim 128, intermediate 14336, vocab 128167; tied embeddings give 7.50 B parameters, untied 8.03 B.
+    ``layers`` < 32 gives the full-width, reduced-depth models that benchmarks screen levers on."""
+    shape = dict(
+        model_type="hunyuan_v1_dense", vocab_size=128167, hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        max_position_embeddings=32768, rms_norm_eps=1e-5, use_qk_norm=True, tie_word_embeddings=tie_word_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        pad_token_id=127961, eos_token_id=127960,
+    )
+    shape.update(overrides)
+    return shape
+
+
+def _random_model(config_json: str, tokenizer, dtype: torch.dtype, attn_implementation: str, seed: int, device):
+    """A random-init causal LM of the shape in ``config_json``, built directly on ``device``."""
+    import json
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(config_json)
+    if not path.is_file():
+        raise ValueError(f"model.name_or_path {RANDOM_PREFIX}{config_json}: no such config.json file")
+    fields = json.loads(path.read_text())
+    if fields.get("vocab_size", 0) < len(tokenizer):
+        raise ValueError(f"{path}: vocab_size {fields.get('vocab_size')} is smaller than the tokenizer ({len(tokenizer)})")
+    cfg = AutoConfig.for_model(**fields)
+    torch.manual_seed(seed)
+    # Initialising 7 B parameters on the GPU takes seconds; on the CPU, minutes.
+    with torch.device(device or "cpu"):
+        return AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn_implementation)
+
+
+class FusedLinearCrossEntropy(torch.nn.Module):
+    """Output head + summed shifted cross-entropy in one chunked kernel (Liger), never materialising the
+    ``[tokens, vocab]`` logits (128k vocabulary: ~1 GiB per 4096 tokens in bf16, twice that in fp32).
+    Holds no parameters of its own: it reads the output head's weight, which ZeRO-3 gathers for it."""
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+        h = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+        return liger_fused_linear_cross_entropy(h, weight, labels[:, 1:].reshape(-1), ignore_index=-100, reduction="sum")
+
+
+def use_fused_loss(model):
+    """Make ``model(..., labels=L)`` return the summed token loss of :func:`token_loss_sum` through
+    :class:`FusedLinearCrossEntropy` instead of logits (GPU only: Liger's kernels are Triton). Without
+    ``labels`` the model behaves as before (validation, generation); saved weights do not change."""
+    import importlib.util
+    import types
+
+    import deepspeed
+
+    if importlib.util.find_spec("liger_kernel") is None:
+        # Checked here, before the first step, so a missing package costs seconds, not a loaded 7B model.
+        raise ImportError("model.fused_loss needs the liger-kernel package: pip install 'raytrain_hymt[gpu]'")
+    head = model.get_output_embeddings()
+    model.fused_loss = FusedLinearCrossEntropy()
+    # Under ZeRO-3 the head's weight is only gathered inside the head's own forward; this gathers it
+    # for the fused loss module's forward too (a no-op for other stages).
+    deepspeed.zero.register_external_parameter(model.fused_loss, head.weight)
+    plain_forward = model.forward
+
+    def forward(self, input_ids=None, position_ids=None, attention_mask=None, labels=None, **kwargs):
+        if labels is None:
+            return plain_forward(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, **kwargs)
+        hidden = self.get_decoder()(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                                    **kwargs).last_hidden_state
+        return self.fused_loss(hidden, self.get_output_embeddings().weight, labels)
+
+    model.forward = types.MethodType(forward, model)
     return model

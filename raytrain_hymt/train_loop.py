@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from raytrain_hymt.config import Config
+from raytrain_hymt.errors import NonFiniteError
 
 log = logging.getLogger("raytrain_hymt")
 
@@ -66,6 +67,30 @@ def _all_reduce_sum(values: list[float], device) -> list[float]:
     return t.tolist()
 
 
+def _nonfinite_ranks(value: float, rank: int, world: int, device) -> list[int]:
+    """Ranks whose ``value`` is NaN or infinite (one all-reduce, so every rank gets the same answer)."""
+    import math
+
+    flags = [0.0] * world
+    flags[rank] = 0.0 if math.isfinite(value) else 1.0
+    return [r for r, f in enumerate(_all_reduce_sum(flags, device)) if f]
+
+
+def _drop_nonfinite_grads(module, device) -> bool:
+    """ZeRO stage 0 in fp32 has no overflow check: drop the gradients when their norm is not finite.
+
+    torch's AdamW leaves a parameter without ``.grad`` untouched, so the step that follows changes
+    nothing. Returns whether the gradients were dropped (the same on every rank).
+    """
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    local = float(torch.stack([g.detach().float().norm() for g in grads]).norm()) if grads else 0.0
+    (bad,) = _all_reduce_sum([0.0 if np.isfinite(local) else 1.0], device)
+    if bad:
+        for p in module.parameters():
+            p.grad = None
+    return bool(bad)
+
+
 def _memory_gib(device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
@@ -74,9 +99,12 @@ def _memory_gib(device) -> float:
     return psutil.Process().memory_info().rss / 2**30
 
 
-def _forward_loss(engine, batch: dict, device) -> torch.Tensor:
+def _forward_loss(engine, batch: dict, device, fused: bool = False) -> torch.Tensor:
     from raytrain_hymt.data.packing import token_loss_sum
 
+    if fused:  # model.use_fused_loss: the model returns the summed token loss itself
+        return engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                      attention_mask=batch["attention_mask"], labels=batch["labels"], use_cache=False)
     out = engine(
         input_ids=batch["input_ids"], position_ids=batch["position_ids"], attention_mask=batch["attention_mask"],
         use_cache=False,
@@ -88,13 +116,17 @@ def _forward_loss(engine, batch: dict, device) -> torch.Tensor:
 class Worker:
     """State of one training worker: model engine, data position, tracker."""
 
-    def __init__(self, inputs: LoopInputs):
-        import ray.train
-
+    def __init__(self, inputs: LoopInputs, context=None):
+        """``context``: anything with ``get_world_rank()``/``get_world_size()``; default Ray Train's own
+        (the benchmark's torchrun mode passes a stand-in to run the same code without Ray)."""
         self.cfg = Config.model_validate(inputs.config)
         self.inputs = inputs
         self.device = _setup_environment(self.cfg.scaling.use_gpu)
-        ctx = ray.train.get_context()
+        if context is None:
+            import ray.train
+
+            context = ray.train.get_context()
+        ctx = context
         self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
         opt = self.cfg.optim
         self.per_epoch = steps_per_epoch(inputs.train_rows, self.world, opt.grad_accum, opt.micro_batch_size)
@@ -108,83 +140,145 @@ class Worker:
     def build(self) -> None:
         from raytrain_hymt.engine import initialize_engine
         from raytrain_hymt.metrics import matmul_params, peak_flops
-        from raytrain_hymt.model import load_model, load_tokenizer
+        from raytrain_hymt.model import load_model, load_tokenizer, use_fused_loss
 
         cfg = self.cfg
         self.tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.name_or_path, cfg.model.trust_remote_code)
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg.deepspeed.precision]
         model = load_model(
             cfg.model.name_or_path, self.tokenizer, dtype=dtype, attn_implementation=cfg.model.attn_implementation,
-            trust_remote_code=cfg.model.trust_remote_code, seed=cfg.run.seed,
+            trust_remote_code=cfg.model.trust_remote_code, seed=cfg.run.seed, device=self.device,
         )
+        if cfg.model.fused_loss:
+            use_fused_loss(model)
+        if cfg.model.compile:
+            for layer in model.get_decoder().layers:
+                layer.compile()
         self.engine, self.ds_config = initialize_engine(
             model, cfg, self.world, self.total_steps, on_gpu=self.device.type == "cuda"
         )
+        if self.rank == 0:
+            trainable = sum(p.numel() for p in self.engine.module.parameters() if p.requires_grad)
+            log.info("ZeRO-%d, %s, trainable parameters: %s (LoRA %s)", cfg.deepspeed.zero_stage,
+                     cfg.deepspeed.precision, f"{trainable:,}", "on" if cfg.lora.enabled else "off")
         mc = model.config
         self.shape = (matmul_params(model), mc.num_hidden_layers, mc.num_attention_heads,
                       getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads)
         self.peak = peak_flops(torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None)
         self.mask_dtype = dtype if self.device.type == "cuda" else torch.float32
+        # DeepSpeed's ZeRO and bf16/fp16 optimizers discard a step with a non-finite gradient norm; plain
+        # fp32 data parallel (stage 0) does not, so train_step checks it (_drop_nonfinite_grads).
+        self._unguarded = cfg.deepspeed.zero_stage == 0 and cfg.deepspeed.precision == "fp32"
 
     def collate(self, rows: dict) -> dict:
         from raytrain_hymt.data.packing import collate
 
+        data, attn = self.cfg.data, self.cfg.model.attn_implementation
+        # Flex attention compiles its kernels per shape: packed rows padded to one fixed length keep it
+        # from recompiling at every new row length.
+        pad_to = data.pack_tokens if data.packing and attn == "flex_attention" else None
         return collate(
-            rows, pad_token_id=self.tokenizer.pad_token_id, attn_implementation=self.cfg.model.attn_implementation,
-            mask_dtype=self.mask_dtype, device=self.device,
+            rows, pad_token_id=self.tokenizer.pad_token_id, attn_implementation=attn,
+            mask_dtype=self.mask_dtype, device=self.device, pad_to=pad_to,
         )
 
     def restore(self):
-        """Resume from the checkpoint Ray hands this worker group, if any: ``RunState`` or None."""
+        """Resume from the newest whole checkpoint of this run, if any: ``RunState`` or None.
+
+        Ray hands over only its latest checkpoint; when that one was cut off mid-write (a marker missing,
+        a file short: ``check_checkpoint``) or DeepSpeed cannot load it, the older ones in the run folder
+        are tried, newest first, with a warning that says why. Every rank decides alike (the checks read
+        the same storage; a load error on any rank is shared by an all-reduce).
+        """
         import ray.train
 
-        from raytrain_hymt.checkpoint import restore_rank
+        from raytrain_hymt.checkpoint import IncompleteCheckpointError, check_checkpoint, older_checkpoints, restore_rank
 
-        checkpoint = ray.train.get_checkpoint()
-        if checkpoint is None:
+        latest = ray.train.get_checkpoint()
+        if latest is None:
             return None
-        with checkpoint.as_directory() as folder:
-            state = restore_rank(self.engine, folder, self.rank)
-        if self.rank == 0:
-            log.info("resumed from %s at step %d", checkpoint.path, state.step)
-        return state
+        fs = latest.filesystem
+        rejected = []
+        for path in [latest.path, *older_checkpoints(fs, latest.path)]:
+            try:
+                check_checkpoint(fs, path)
+            except IncompleteCheckpointError as e:
+                rejected.append(str(e))
+                if self.rank == 0:
+                    log.warning("not resuming from %s", e)
+                continue
+            error = None
+            try:
+                with ray.train.Checkpoint(path, filesystem=fs).as_directory() as folder:
+                    state = restore_rank(self.engine, folder, self.rank)
+            except Exception as e:  # noqa: BLE001 - a shard whole in size but not in content
+                error = f"{path}: DeepSpeed could not load it on rank {self.rank}: {type(e).__name__}: {e}"
+                log.warning("not resuming from %s", error)
+            (failed_ranks,) = _all_reduce_sum([1.0 if error else 0.0], self.device)
+            if not failed_ranks:
+                if self.rank == 0:
+                    log.info("resumed from %s at step %d", path, state.step)
+                if path != latest.path:
+                    state.generation += 1
+                return state
+            rejected.append(error or f"{path}: {int(failed_ranks)} rank(s) could not load it")
+        raise IncompleteCheckpointError(
+            "no usable checkpoint to resume from:\n  " + "\n  ".join(rejected)
+            + "\nremove the run folder's checkpoint_step* folders (or use a new run name) to start over"
+        )
 
     def train_step(self, global_batch: dict) -> dict[str, float]:
         """One optimizer step over this rank's share of ``global_batch``; returns the step's metrics."""
+        from raytrain_hymt.metrics import mfu, step_flops
+
         opt = self.cfg.optim
         t0 = time.perf_counter()
         micro = [self.collate(rank_slice(global_batch, a, self.rank, self.world, opt.micro_batch_size))
                  for a in range(opt.grad_accum)]
         local_targets = float(sum(int(m["num_target_tokens"]) for m in micro))
         local_tokens = float(sum(int(s.sum()) for m in micro for s in m["seq_lens"]))
-        doc_sq = float(sum(int((s.astype(np.int64) ** 2).sum()) for m in micro for s in m["seq_lens"]))
-        global_targets, global_tokens, global_doc_sq = _all_reduce_sum([local_targets, local_tokens, doc_sq], self.device)
+        # FLOPs are linear in the documents, so the global count is the sum of every rank's own.
+        local_flops = step_flops(*self.shape, (int(n) for m in micro for s in m["seq_lens"] for n in s))
+        global_targets, global_tokens, flops = _all_reduce_sum([local_targets, local_tokens, local_flops], self.device)
         scale = self.world / max(global_targets, 1.0)
+        lr = self.engine.get_lr()[0]  # the rate this step applies (the scheduler moves on inside step())
         loss_total = 0.0
-        for m in micro:
-            loss_sum = _forward_loss(self.engine, m, self.device)
+        bad_ranks: list[int] = []
+        for index, m in enumerate(micro):
+            loss_sum = _forward_loss(self.engine, m, self.device, self.cfg.model.fused_loss)
+            loss_value = float(loss_sum.detach())
+            # Checked on every rank alike before backward: a fail stops here, a skip lets the NaN reach the
+            # gradients, whose non-finite norm makes the optimizer discard the update (checked below).
+            bad_ranks = bad_ranks or _nonfinite_ranks(loss_value, self.rank, self.world, self.device)
+            if bad_ranks and self.cfg.checkpoint.on_nonfinite == "fail":
+                raise NonFiniteError(f"non-finite training loss at step {self.engine.global_steps + 1} on rank(s) "
+                                     f"{bad_ranks} (checkpoint.on_nonfinite=fail; 'skip' drops such steps)")
             # DeepSpeed averages over ranks; scaling by world / global targets makes the result the mean
             # over every target token of the global step. scale_wrt_gas=False: no extra 1/accum.
             self.engine.backward(loss_sum * scale, scale_wrt_gas=False)
+            dropped = index == len(micro) - 1 and self._unguarded and _drop_nonfinite_grads(self.engine.module, self.device)
             self.engine.step()
-            loss_total += float(loss_sum.detach())
+            loss_total += loss_value
+        skipped = dropped or not self.engine.was_step_applied()
+        if bad_ranks and not skipped:
+            raise NonFiniteError("DeepSpeed applied an update from a non-finite loss; the weights are no longer valid")
+        if skipped and self.cfg.checkpoint.on_nonfinite == "fail" and self.cfg.deepspeed.precision != "fp16":
+            raise NonFiniteError(f"non-finite gradient norm at step {self.engine.global_steps}: the update was "
+                                 "discarded (checkpoint.on_nonfinite=fail; 'skip' drops such steps)")
         (loss_global,) = _all_reduce_sum([loss_total], self.device)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - t0
-        from raytrain_hymt.metrics import mfu
-
-        n, layers, heads, head_dim = self.shape
-        flops = 6.0 * n * global_tokens + 12.0 * layers * heads * head_dim * global_doc_sq
         grad_norm = self.engine.get_global_grad_norm()
         metrics = {
             "train/loss": loss_global / max(global_targets, 1.0),
-            "train/lr": self.engine.get_lr()[0],
+            "train/lr": lr,
             "train/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
             "train/tokens_per_s_per_worker": global_tokens / seconds / self.world,
             "train/target_tokens": global_targets,
             "train/step_time_s": seconds,
             "train/memory_gib": _memory_gib(self.device),
+            "train/skipped": float(skipped),
         }
         util = mfu(flops, seconds, self.world, self.peak)
         if util is not None:
@@ -217,14 +311,25 @@ class Worker:
         return total_loss / max(total_tokens, 1.0)
 
 
+def _rank_example_ids(global_batch: dict, rank: int, world: int, grad_accum: int, micro_batch: int) -> list[int]:
+    """Example ids of the rows ``rank`` trains on in ``global_batch`` (every micro-step's slice)."""
+    return [int(e) for a in range(grad_accum)
+            for row in rank_slice(global_batch, a, rank, world, micro_batch)["example_ids"] for e in row]
+
+
 def train_loop(loop_config: dict) -> None:
-    """Ray Train entry point (``TorchTrainer(train_loop, train_loop_config=...)``)."""
+    """Ray Train entry point (``TorchTrainer(train_loop, train_loop_config=...)``).
+
+    Data position: the pipeline fixes the row order, so the position is just the number of global
+    batches consumed in the epoch (``RunState.batch_in_epoch``); a resumed run skips that many global
+    batches and trains exactly the rows an uninterrupted run would have trained next.
+    """
     import ray.train
 
-    from raytrain_hymt.checkpoint import RunState, save_rank_checkpoint, step_tag
-    from raytrain_hymt.tracking import make_tracker
-
+    from raytrain_hymt import faults
+    from raytrain_hymt.checkpoint import RunState, checkpoint_dir_name, save_rank_checkpoint, step_tag
     from raytrain_hymt.quiet import quiet_ray
+    from raytrain_hymt.tracking import make_tracker
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     quiet_ray()
@@ -236,24 +341,41 @@ def train_loop(loop_config: dict) -> None:
     step = state.step if state else 0
     epoch = state.epoch if state else 0
     skip = state.batch_in_epoch if state else 0
+    skipped_steps = state.skipped_steps if state else 0
+    generation = state.generation if state else 0
     tracker = make_tracker(
         w.rank == 0 and cfg.tracking.enabled and inputs.tracking_run_id is not None,
         tracking_uri=inputs.tracking_uri, experiment=cfg.tracking.experiment, run_name=cfg.run.name or "",
         run_id=inputs.tracking_run_id, local_dir=inputs.run_dir, tensorboard=cfg.tracking.tensorboard,
+        retry_interval_s=cfg.tracking.retry_interval_s,
     )
+    tracker.log_dict(w.ds_config, "deepspeed_config.json")  # the resolved one, "auto" values filled in
     train = ray.train.get_dataset_shard("train")
-    global_rows = w.world * cfg.optim.grad_accum * cfg.optim.micro_batch_size
+    opt = cfg.optim
+    global_rows = w.world * opt.grad_accum * opt.micro_batch_size
+    upload = ray.train.CheckpointUploadMode.ASYNC if cfg.checkpoint.async_upload else ray.train.CheckpointUploadMode.SYNC
     if w.rank == 0:
-        log.info("training %d steps (%d per epoch) on %d workers, global batch %d rows",
-                 w.total_steps, w.per_epoch, w.world, global_rows)
+        log.info("training %d steps (%d per epoch) on %d workers, global batch %d rows%s",
+                 w.total_steps, w.per_epoch, w.world, global_rows,
+                 f", resuming after step {step} (epoch {epoch}, skipping {skip} batches)" if state else "")
     val_loss = None
     while step < w.total_steps:
         batches = train.iter_batches(batch_size=global_rows, batch_format="numpy", drop_last=True, prefetch_batches=2)
         for index, global_batch in enumerate(batches):
             if index < skip:
                 continue
-            metrics = w.train_step(global_batch)
+            faults.before_step(step + 1, w.rank)
+            with faults.nan_loss(w.engine.module, step + 1, w.rank):
+                metrics = w.train_step(global_batch)
             step += 1
+            skipped = bool(metrics.pop("train/skipped"))
+            skipped_steps += skipped
+            metrics["train/skipped_steps"] = skipped_steps
+            faults.record_step(w.rank, step, _rank_example_ids(global_batch, w.rank, w.world, opt.grad_accum,
+                               opt.micro_batch_size), metrics["train/loss"], skipped, w.engine.module)
+            if skipped and w.rank == 0:
+                log.warning("step %d: loss %s, gradient norm %s: update skipped (%d skipped so far)",
+                            step, metrics["train/loss"], metrics["train/grad_norm"], skipped_steps)
             last = step >= w.total_steps
             if step % cfg.eval.every_steps == 0 or last:
                 val_loss = w.validate()
@@ -268,14 +390,20 @@ def train_loop(loop_config: dict) -> None:
             if step % cfg.checkpoint.every_steps == 0 or last:
                 run_state = RunState(step=step, epoch=epoch, batch_in_epoch=index + 1, world_size=w.world,
                                      tag=step_tag(step), zero_stage=cfg.deepspeed.zero_stage,
-                                     tracking_run_id=inputs.tracking_run_id)
+                                     tracking_run_id=inputs.tracking_run_id, skipped_steps=skipped_steps,
+                                     generation=generation)
                 folder = save_rank_checkpoint(w.engine, run_state, w.rank, w.tokenizer)
-                report = {"step": step, "train_loss": metrics["train/loss"]}
+                report = {"step": step, "train_loss": metrics["train/loss"], "skipped_steps": skipped_steps}
                 if val_loss is not None:
                     report["val_loss"] = val_loss
                 ray.train.report(report, checkpoint=ray.train.Checkpoint.from_directory(folder),
-                                 checkpoint_dir_name=f"checkpoint_{run_state.tag}",
+                                 checkpoint_dir_name=checkpoint_dir_name(step, generation),
+                                 checkpoint_upload_mode=upload,
                                  delete_local_checkpoint_after_upload=True)
+            elif "val/loss" in metrics:
+                # Every validation reaches the driver: Tune's ASHA (hymt tune) compares trials on it.
+                # Every rank validated at this step, so every rank reports (report() is a barrier).
+                ray.train.report({"step": step, "train_loss": metrics["train/loss"], "val_loss": val_loss})
             if step >= w.total_steps:
                 break
         else:

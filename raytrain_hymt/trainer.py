@@ -3,6 +3,9 @@
 A run lives in ``<storage_root>/<name>/``: Ray's checkpoints (``checkpoint_step*``), ``run.json`` (the
 MLflow run id, so a re-submitted job continues the same MLflow run), ``config.yaml``, ``model/`` (the
 exported Hugging Face folder) and ``summary.json`` (written last; a finished run prints it and exits).
+``storage_root`` may be a URI (``s3://``, ``gs://``, ``file://``): these files then go through pyarrow
+(``storage.RunFolder``). When Ray Train gives up (``checkpoint.max_failures`` spent) the run ends with
+``errors.TrainingFailed``, which names the original exception and the failing rank.
 """
 
 from __future__ import annotations
@@ -80,7 +83,12 @@ def init_ray(cfg: Config) -> None:
     ray.init(address="local", num_cpus=want, include_dashboard=False, log_to_driver=True)
 
 
-def _start_tracking(cfg: Config, run_dir: Path):
+def start_tracking(cfg: Config, run_dir: Path, parent_run_id: str | None = None):
+    """Create or resume (id in ``<run_dir>/run.json``) the MLflow run of ``run_dir``; log its config.
+
+    Returns ``(tracker, tracking_uri)``; ``(NullTracker, None)`` when tracking is off. ``parent_run_id``
+    makes it a child run (a search's trial).
+    """
     from raytrain_hymt.tracking import make_tracker, redact, resolve_tracking_uri
 
     if not cfg.tracking.enabled:
@@ -90,6 +98,7 @@ def _start_tracking(cfg: Config, run_dir: Path):
     tracker = make_tracker(
         True, tracking_uri=uri, experiment=cfg.tracking.experiment, run_name=cfg.run.name,
         run_id=saved.get("mlflow_run_id"), local_dir=run_dir, tensorboard=False,
+        parent_run_id=parent_run_id, retry_interval_s=cfg.tracking.retry_interval_s,
     )
     (run_dir / RUN_FILE).write_text(json.dumps({"mlflow_run_id": tracker.run_id, "tracking_uri": uri}))
     tracker.log_params(redact(flatten(cfg.model_dump(mode="json"))))
@@ -97,19 +106,22 @@ def _start_tracking(cfg: Config, run_dir: Path):
     return tracker, uri
 
 
-def _trainer(cfg: Config, train, val, loop_inputs: dict):
+def _trainer(cfg: Config, train, val, loop_inputs: dict, callbacks=(), loop=None):
+    """The TorchTrainer of a run; ``loop``: the worker function (default ``train_loop``; benchmarks)."""
     import ray.train
     from ray.data import ExecutionOptions
     from ray.train.torch import TorchTrainer
 
+    from raytrain_hymt.faults import FORWARDED_ENV
     from raytrain_hymt.train_loop import train_loop
 
     env = {} if cfg.scaling.use_gpu else {"DS_ACCELERATOR": "cpu"}
     if os.environ.get("HYMT_VERBOSE"):
         env["HYMT_VERBOSE"] = "1"
+    env.update({k: os.environ[k] for k in FORWARDED_ENV if os.environ.get(k)})  # tests' fault injection
     ordered = ExecutionOptions(preserve_order=True)
     return TorchTrainer(
-        train_loop,
+        loop or train_loop,
         train_loop_config=loop_inputs,
         scaling_config=ray.train.ScalingConfig(
             num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
@@ -124,51 +136,72 @@ def _trainer(cfg: Config, train, val, loop_inputs: dict):
             failure_config=ray.train.FailureConfig(max_failures=cfg.checkpoint.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.checkpoint.num_to_keep),
             worker_runtime_env={"env_vars": env},
+            callbacks=list(callbacks),
         ),
     )
 
 
 def finished_summary(cfg: Config) -> TrainingSummary | None:
     """The summary of a run of this name that already finished, or None."""
-    path = Path(cfg.run.storage_path, run_name(cfg), SUMMARY_FILE)
-    return TrainingSummary(**json.loads(path.read_text())) if cfg.run.name and path.exists() else None
+    from raytrain_hymt.storage import RunFolder
+
+    if not cfg.run.name:
+        return None
+    text = RunFolder(cfg.run.storage_path, cfg.run.name).read_text(SUMMARY_FILE)
+    return TrainingSummary(**json.loads(text)) if text else None
 
 
-def run_training(cfg: Config) -> TrainingSummary:
-    """Train (or resume) the run ``cfg`` describes, export it, and return its summary."""
+def run_training(cfg: Config, *, datasets=None, callbacks=(), parent_run_id: str | None = None) -> TrainingSummary:
+    """Train (or resume) the run ``cfg`` describes, export it, and return its summary.
+
+    A search's trial passes the ``(train, val, stats)`` the search built once (``datasets``), Ray Train
+    callbacks (Tune's reporting) and its search's MLflow run (``parent_run_id``).
+    """
     import torch
+    from ray.train import TrainingFailedError
 
     from raytrain_hymt.checkpoint import export_hf
     from raytrain_hymt.data.pipeline import build_datasets
+    from raytrain_hymt.errors import budget_spent
+
+    from raytrain_hymt.storage import RunFolder
 
     started = time.time()
     cfg.run.name = run_name(cfg)
-    run_dir = Path(cfg.run.storage_path, cfg.run.name)
-    if "://" in str(run_dir):
-        raise NotImplementedError("object-store storage roots are not supported yet; use a shared filesystem path")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    folder = RunFolder(cfg.run.storage_path, cfg.run.name)
+    # On a URI storage root, run_dir is the driver's staging folder; the files that matter are pushed.
+    run_dir = folder.local
+    folder.write_text("config.yaml", to_yaml(cfg))
     init_ray(cfg)
-    tracker, uri = _start_tracking(cfg, run_dir)
+    folder.pull(RUN_FILE)  # a re-submitted job continues the MLflow run of the first one
+    tracker, uri = start_tracking(cfg, run_dir, parent_run_id=parent_run_id)
+    if tracker.run_id:
+        folder.push(RUN_FILE)
     try:
-        train, val, stats = build_datasets(cfg)
+        train, val, stats = datasets or build_datasets(cfg)
         log.info(stats.summary())
         tracker.log_metrics(stats.as_metrics(), step=0)
         loop_inputs = {
             "config": cfg.model_dump(mode="json"), "train_rows": stats.train_rows,
             "tracking_run_id": tracker.run_id, "tracking_uri": uri, "run_dir": str(run_dir),
         }
-        result = _trainer(cfg, train, val, loop_inputs).fit()
+        try:
+            result = _trainer(cfg, train, val, loop_inputs, callbacks).fit()
+        except TrainingFailedError as e:
+            raise budget_spent(e, cfg.checkpoint.max_failures) from e
         model_dir = None
-        with result.checkpoint.as_directory() as folder:
+        with result.checkpoint.as_directory() as ckpt_dir:
             if cfg.run.export:
                 dtype = torch.float32 if cfg.deepspeed.precision == "fp32" else torch.bfloat16
-                model_dir = str(export_hf(folder, run_dir / "model", dtype=dtype))
+                export_hf(ckpt_dir, run_dir / "model", dtype=dtype)
+                model_dir = folder.push("model")
                 if tracker.run_id:
                     tracker.set_tags({"model_dir": model_dir})
+                if cfg.tracking.log_model:
+                    tracker.log_artifact(run_dir / "model", "model")  # the local export, also on URI roots
         metrics = result.metrics or {}
         summary = TrainingSummary(
-            name=cfg.run.name, run_dir=str(run_dir), checkpoint=result.checkpoint.path, model_dir=model_dir,
+            name=cfg.run.name, run_dir=folder.uri, checkpoint=result.checkpoint.path, model_dir=model_dir,
             steps=int(metrics.get("step", 0)), train_loss=float(metrics.get("train_loss", float("nan"))),
             val_loss=metrics.get("val_loss"), wall_time_s=time.time() - started, tracking_uri=uri,
             mlflow_run_id=tracker.run_id, mlflow_experiment=cfg.tracking.experiment if uri else None,
@@ -177,5 +210,5 @@ def run_training(cfg: Config) -> TrainingSummary:
     except BaseException:
         tracker.finish("FAILED")
         raise
-    (run_dir / SUMMARY_FILE).write_text(json.dumps(asdict(summary), indent=1))
+    folder.write_text(SUMMARY_FILE, json.dumps(asdict(summary), indent=1))
     return summary

@@ -1,0 +1,99 @@
+"""Test-only fault injection and a per-step record of what each rank trained on.
+
+Both are switched on by environment variables that the driver forwards to the workers, so no config field
+and no code path of a normal run changes:
+
+``HYMT_FAULTS``: a JSON list of faults, each ``{"kind": "sigkill" | "raise" | "nan", "rank": R,
+"step": K, "once": "/path/marker"}``. ``sigkill`` and ``raise`` fire when rank R is about to train step K
+(the process kills itself with SIGKILL, or raises ``InjectedFault``); ``nan`` makes rank R's loss NaN in
+step K. With ``once``, a fault fires only if the marker file does not exist yet and creates it first, so
+the restarted attempt runs through.
+
+``HYMT_RECORD_DIR``: each rank appends one JSON line per step to ``<dir>/rank<R>.jsonl``: the step, the
+example ids of its slice, the loss, whether the update was skipped, the sum of the model's weights and
+the Ray node it ran on and the wall-clock time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+FAULTS_ENV = "HYMT_FAULTS"
+RECORD_ENV = "HYMT_RECORD_DIR"
+#: Environment variables the driver passes on to the workers (trainer._trainer).
+FORWARDED_ENV = (FAULTS_ENV, RECORD_ENV)
+
+
+class InjectedFault(RuntimeError):
+    """The exception a ``raise`` fault throws."""
+
+
+def _due(kind: str, step: int, rank: int) -> bool:
+    for fault in json.loads(os.environ.get(FAULTS_ENV) or "[]"):
+        if fault["kind"] != kind or fault["step"] != step or fault["rank"] != rank:
+            continue
+        once = fault.get("once")
+        if once:
+            try:
+                # O_EXCL: exactly one attempt ever sees the marker missing.
+                os.close(os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                continue
+        return True
+    return False
+
+
+def before_step(step: int, rank: int) -> None:
+    """Fire the ``sigkill`` or ``raise`` fault due for ``rank`` at ``step``, if any."""
+    if not os.environ.get(FAULTS_ENV):
+        return
+    if _due("sigkill", step, rank):
+        os.kill(os.getpid(), signal.SIGKILL)
+    if _due("raise", step, rank):
+        raise InjectedFault(f"injected failure on rank {rank} at step {step}")
+
+
+@contextlib.contextmanager
+def nan_loss(module, step: int, rank: int):
+    """While active, ``module``'s logits are NaN if a ``nan`` fault is due for ``rank`` at ``step``."""
+    if not os.environ.get(FAULTS_ENV) or not _due("nan", step, rank):
+        yield
+        return
+    import torch
+
+    def poison(_module, _inputs, output):
+        if isinstance(output, torch.Tensor):  # model.fused_loss: the model returns the loss itself
+            return output * float("nan")
+        output.logits = output.logits * float("nan")
+        return output
+
+    handle = module.register_forward_hook(poison)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def record_step(rank: int, step: int, example_ids: list[int], loss: float, skipped: bool, module) -> None:
+    """Append this rank's line for ``step`` to ``$HYMT_RECORD_DIR/rank<R>.jsonl`` (no-op when unset)."""
+    folder = os.environ.get(RECORD_ENV)
+    if not folder:
+        return
+    import torch
+
+    with torch.no_grad():
+        weight_sum = float(sum(p.detach().double().sum() for p in module.parameters()))
+    import ray
+
+    line = {"step": step, "example_ids": sorted(int(e) for e in example_ids), "loss": loss,
+            "skipped": skipped, "weight_sum": weight_sum, "node": ray.get_runtime_context().get_node_id(),
+            "time": time.time()}
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    # One open/write/close per line: a SIGKILL right after loses nothing already recorded.
+    with open(Path(folder, f"rank{rank}.jsonl"), "a") as f:
+        f.write(json.dumps(line) + "\n")

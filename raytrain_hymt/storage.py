@@ -1,0 +1,87 @@
+"""A run's folder in storage: a local path, a shared filesystem, or an object store URI (``s3://``, ``gs://``).
+
+Ray Train writes the checkpoints there itself (``RunConfig(storage_path=...)`` takes the same paths and
+URIs). The driver's own small files (``config.yaml``, ``run.json``, ``summary.json``) and the exported
+model go through pyarrow's filesystems, so every kind of storage works the same way. Files that have to
+be local first (the MLflow ``metrics.jsonl`` copy, the model while it is exported) live in
+``local``: the run folder itself when storage is local, else a staging folder on the driver.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+#: Where runs on a URI storage root stage their local files (``<dir>/<run name>``).
+STAGING_ROOT = Path(os.path.expanduser("~/.cache/raytrain_hymt/runs"))
+
+
+def is_uri(path: str) -> bool:
+    """True for ``scheme://...`` (object stores, ``file://``), False for a plain path."""
+    return "://" in str(path)
+
+
+class RunFolder:
+    """The folder ``<storage_root>/<name>`` on whatever filesystem ``storage_root`` names."""
+
+    def __init__(self, storage_root: str, name: str):
+        import pyarrow.fs
+
+        self.uri = f"{storage_root.rstrip('/')}/{name}"
+        if is_uri(storage_root):
+            self.fs, root = pyarrow.fs.FileSystem.from_uri(storage_root)
+            self.path = f"{root.rstrip('/')}/{name}"
+            self.local = STAGING_ROOT / name
+        else:
+            self.fs, self.path = pyarrow.fs.LocalFileSystem(), str(Path(storage_root, name))
+            self.local = Path(self.path)
+        self.fs.create_dir(self.path, recursive=True)
+        self.local.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def remote(self) -> bool:
+        """Whether ``local`` is a staging copy (storage is a URI) rather than the run folder itself."""
+        return self.local != Path(self.path)
+
+    def read_text(self, name: str) -> str | None:
+        """The text of ``<run folder>/name``, or None when there is no such file."""
+        import pyarrow.fs
+
+        target = f"{self.path}/{name}"
+        if self.fs.get_file_info(target).type != pyarrow.fs.FileType.File:
+            return None
+        with self.fs.open_input_stream(target) as f:
+            return f.read().decode("utf-8")
+
+    def write_text(self, name: str, text: str) -> None:
+        """Write ``<run folder>/name`` whole (object stores publish it on close; local: via a rename)."""
+        target = f"{self.path}/{name}"
+        if not self.remote:
+            tmp = Path(target + ".partial")
+            tmp.write_text(text, encoding="utf-8")
+            tmp.replace(target)
+            return
+        with self.fs.open_output_stream(target) as f:
+            f.write(text.encode("utf-8"))
+
+    def pull(self, name: str) -> None:
+        """Copy ``<run folder>/name`` into ``local`` when storage is remote and the file exists."""
+        text = self.read_text(name) if self.remote else None
+        if text is not None:
+            (self.local / name).write_text(text, encoding="utf-8")
+
+    def push(self, name: str) -> str:
+        """Copy ``local/name`` (a file or folder) into the run folder when storage is remote; its URI/path."""
+        if not self.remote:
+            return str(self.local / name)
+        import pyarrow.fs
+
+        source = self.local / name
+        target = f"{self.path}/{name}"
+        if source.is_dir():
+            self.fs.create_dir(target, recursive=True)  # a local destination needs its folder first
+            pyarrow.fs.copy_files(str(source), target, source_filesystem=pyarrow.fs.LocalFileSystem(),
+                                  destination_filesystem=self.fs)
+        else:
+            self.write_text(name, source.read_text(encoding="utf-8"))
+        return f"{self.uri}/{name}"

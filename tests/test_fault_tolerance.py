@@ -1,0 +1,225 @@
+"""Fault tolerance on the real stack (Ray Train, DeepSpeed ZeRO-2 fp32, 2 CPU workers, the tiny model).
+
+Every run trains the same 10 steps, checkpointing every 2, with rank 1's loss poisoned to NaN at step 3
+(``faults.py``): the step is skipped, and that skip is part of the reference trajectory every faulty run
+must reproduce exactly. Faults and the per-step record of example ids, losses and weights come from
+``HYMT_FAULTS`` / ``HYMT_RECORD_DIR`` (test-only, read by the workers).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from fault_tolerance_common import NAN_FAULT, NAN_STEP, STEPS, attempts, effective, overrides, read_records
+from raytrain_hymt.cli import main
+from raytrain_hymt.config import load_config
+from raytrain_hymt.trainer import run_training
+
+HERE = Path(__file__).resolve().parent
+
+
+def test_older_checkpoints_newest_first_across_generations(tmp_path):
+    import pyarrow.fs
+
+    from raytrain_hymt.checkpoint import older_checkpoints
+
+    for name in ("checkpoint_step00000002", "checkpoint_step00000004", "checkpoint_step00000004-g1",
+                 "checkpoint_step00000006", "checkpoint_step00000006-g1", "checkpoint_step00000008", "model"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "checkpoint_step00000001").write_text("a file, not a checkpoint")
+    got = older_checkpoints(pyarrow.fs.LocalFileSystem(), str(tmp_path / "checkpoint_step00000006-g1"))
+    assert [Path(p).name for p in got] == ["checkpoint_step00000006", "checkpoint_step00000004-g1",
+                                          "checkpoint_step00000004", "checkpoint_step00000002"]
+
+
+def test_check_checkpoint_names_what_is_wrong(tmp_path):
+    import pyarrow.fs
+
+    from raytrain_hymt.checkpoint import IncompleteCheckpointError, check_checkpoint
+
+    fs, ckpt = pyarrow.fs.LocalFileSystem(), tmp_path / "checkpoint_step00000002"
+    (ckpt / "complete").mkdir(parents=True)
+    with pytest.raises(IncompleteCheckpointError, match="no state.json"):
+        check_checkpoint(fs, str(ckpt))
+    (ckpt / "state.json").write_text(json.dumps({"step": 2, "epoch": 0, "batch_in_epoch": 2, "world_size": 2,
+                                                 "tag": "step00000002", "zero_stage": 2}))
+    (ckpt / "shard.pt").write_bytes(b"x" * 10)
+    (ckpt / "complete" / "rank0").write_text(json.dumps({"files": {"state.json": (ckpt / "state.json").stat().st_size,
+                                                                   "shard.pt": 10}}))
+    with pytest.raises(IncompleteCheckpointError, match=r"ranks \[1\] did not finish writing their part"):
+        check_checkpoint(fs, str(ckpt))
+    (ckpt / "complete" / "rank1").write_text(json.dumps({"files": {"rng.pt": 3}}))
+    with pytest.raises(IncompleteCheckpointError, match="rng.pt of rank 1 is missing"):
+        check_checkpoint(fs, str(ckpt))
+    (ckpt / "rng.pt").write_bytes(b"abc")
+    (ckpt / "shard.pt").write_bytes(b"x" * 7)
+    with pytest.raises(IncompleteCheckpointError, match="shard.pt of rank 0 has 7 bytes, 10 were written"):
+        check_checkpoint(fs, str(ckpt))
+    (ckpt / "shard.pt").write_bytes(b"x" * 10)
+    assert check_checkpoint(fs, str(ckpt)).step == 2
+
+
+def _faults(monkeypatch, record_dir: Path, *faults: dict) -> None:
+    monkeypatch.setenv("HYMT_FAULTS", json.dumps([NAN_FAULT, *faults]))
+    monkeypatch.setenv("HYMT_RECORD_DIR", str(record_dir))
+
+
+def _assert_matches_reference(run: dict[int, dict], reference: dict[int, dict], steps) -> None:
+    for step in steps:
+        got, want = run[step], reference[step]
+        assert got["example_ids"] == want["example_ids"], step
+        if math.isnan(want["loss"]):
+            assert math.isnan(got["loss"]), step
+        else:
+            assert got["loss"] == pytest.approx(want["loss"], abs=1e-5), step
+        assert got["weight_sum"] == pytest.approx(want["weight_sum"], abs=1e-5, rel=1e-9), step
+
+
+def _final_state(run_dir: Path) -> dict:
+    newest = sorted(run_dir.glob("checkpoint_step*"))[-1]
+    return json.loads((newest / "state.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def reference(ray_session, tmp_path_factory):
+    """The uninterrupted run: {rank: {step: record}}."""
+    root = tmp_path_factory.mktemp("reference")
+    mp = pytest.MonkeyPatch()
+    _faults(mp, root / "record")
+    try:
+        run_training(load_config(None, overrides(str(root / "runs"), "reference")))
+    finally:
+        mp.undo()
+    records = {rank: read_records(root / "record", rank) for rank in (0, 1)}
+    assert all(len(attempts(r)) == 1 for r in records.values())
+    return {"effective": {rank: effective(r) for rank, r in records.items()}, "run_dir": root / "runs" / "reference"}
+
+
+@pytest.mark.integration
+def test_nonfinite_step_is_skipped_and_counted(reference):
+    for rank in (0, 1):
+        run = reference["effective"][rank]
+        assert [s for s, r in run.items() if r["skipped"]] == [NAN_STEP]
+        assert math.isnan(run[NAN_STEP]["loss"])
+        # The update was discarded: the weights after step 3 are exactly those after step 2 ...
+        assert run[NAN_STEP]["weight_sum"] == run[NAN_STEP - 1]["weight_sum"]
+        # ... and every other step changed them and had a finite loss.
+        for step in range(1, STEPS + 1):
+            if step != NAN_STEP:
+                assert math.isfinite(run[step]["loss"])
+                assert run[step]["weight_sum"] != run.get(step - 1, {"weight_sum": None})["weight_sum"]
+    # Each rank trains its own rows: the two slices never overlap.
+    r0, r1 = reference["effective"][0], reference["effective"][1]
+    assert all(not set(r0[s]["example_ids"]) & set(r1[s]["example_ids"]) for s in r0)
+    assert _final_state(reference["run_dir"])["skipped_steps"] == 1
+
+
+@pytest.mark.integration
+def test_sigkill_then_exception_resume_exactly(reference, tmp_path, monkeypatch):
+    """Rank 1 SIGKILLs itself before step 6, rank 0 raises before step 10: two restarts, same result."""
+    _faults(monkeypatch, tmp_path / "record",
+            {"kind": "sigkill", "rank": 1, "step": 6, "once": str(tmp_path / "killed")},
+            {"kind": "raise", "rank": 0, "step": 10, "once": str(tmp_path / "raised")})
+    cfg = load_config(None, overrides(str(tmp_path / "runs"), "faulty", **{"checkpoint.max_failures": 2}))
+    summary = run_training(cfg)
+    assert summary.steps == STEPS
+    for rank in (0, 1):
+        records = read_records(tmp_path / "record", rank)
+        runs = attempts(records)
+        # Checkpoints at 4 and 8 were the latest: each restart's first step is checkpoint step + 1.
+        assert [[r["step"] for r in a] for a in runs] == [[1, 2, 3, 4, 5], [5, 6, 7, 8, 9], [9, 10]]
+        # The lost step, trained again from the checkpoint, is bit-for-bit the same step.
+        assert runs[0][-1]["loss"] == runs[1][0]["loss"] and runs[1][-1]["loss"] == runs[2][0]["loss"]
+        run = effective(records)
+        _assert_matches_reference(run, reference["effective"][rank], range(1, STEPS + 1))
+    # No example lost or seen twice: the multiset of trained example ids is the reference's.
+    ids = Counter(e for rank in (0, 1) for r in effective(read_records(tmp_path / "record", rank)).values()
+                  for e in r["example_ids"])
+    want = Counter(e for rank in (0, 1) for r in reference["effective"][rank].values() for e in r["example_ids"])
+    assert ids == want and sum(ids.values()) > 0
+    assert _final_state(tmp_path / "runs" / "faulty")["skipped_steps"] == 1
+
+
+def _corrupt(run_dir: Path) -> None:
+    """Newest checkpoint (8): a shard whole in size but garbage; 6: a shard cut off; 4: a marker missing."""
+    model_states = run_dir / "checkpoint_step00000008" / "step00000008" / "mp_rank_00_model_states.pt"
+    size = model_states.stat().st_size
+    model_states.write_bytes(b"\0" * size)
+    shard = next((run_dir / "checkpoint_step00000006" / "step00000006").glob("*rank_1*optim_states.pt"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    (run_dir / "checkpoint_step00000004" / "complete" / "rank1").unlink()
+
+
+@pytest.mark.integration
+def test_budget_spent_then_resubmit_resumes_from_last_good_checkpoint(reference, tmp_path, monkeypatch, capfd):
+    """A job that keeps failing ends with a clear error; re-submitted, it resumes from the newest whole
+    checkpoint (the three newer ones are damaged) and finishes on the reference trajectory."""
+    storage = str(tmp_path / "runs")
+    args = ["train", *sum((["--set", o] for o in overrides(storage, "crashy", **{"checkpoint.max_failures": 1})), [])]
+    _faults(monkeypatch, tmp_path / "record", {"kind": "raise", "rank": 1, "step": 10})
+    assert main(args) == 1
+    err = capfd.readouterr().err
+    line = [ln for ln in err.splitlines() if ln.startswith("error: ")][-1]
+    assert "training failed on rank 1: InjectedFault: injected failure on rank 1 at step 10" in line
+    assert "after 2 attempts (checkpoint.max_failures=1" in line
+    first = [[r["step"] for r in a] for a in attempts(read_records(tmp_path / "record", 0))]
+    assert first == [list(range(1, 10)), [9]]
+
+    run_dir = tmp_path / "runs" / "crashy"
+    _corrupt(run_dir)
+    _faults(monkeypatch, tmp_path / "record2")
+    assert main(args) == 0
+    out = capfd.readouterr()
+    logs = out.out + out.err
+    assert "checkpoint_step00000008: DeepSpeed could not load it" in logs
+    assert "checkpoint_step00000006: step00000006/zero_pp_rank_1_mp_rank_00_optim_states.pt of rank 1 has" in logs
+    assert "checkpoint_step00000004: ranks [1] did not finish writing their part (no marker)" in logs
+    for rank in (0, 1):
+        records = read_records(tmp_path / "record2", rank)
+        assert [r["step"] for r in records] == list(range(3, STEPS + 1))  # from checkpoint 2, not step 0
+        _assert_matches_reference(effective(records), reference["effective"][rank], range(3, STEPS + 1))
+
+    # Checkpoints saved after the fall-back get their own folders (never one Ray tracks for a rejected one).
+    assert json.loads((run_dir / "checkpoint_step00000010-g1" / "state.json").read_text())["generation"] == 1
+
+    # A finished run submitted again does not train again.
+    assert main(args) == 0
+    assert "run crashy already finished" in capfd.readouterr().out
+
+
+@pytest.mark.integration
+def test_worker_node_lost_on_two_node_cluster(reference, tmp_path):
+    """Workers on two nodes; the non-head node dies after step 5 and a new one joins: the run resumes
+    from checkpoint 4 and lands on the reference trajectory. Storage is a ``file://`` URI (the object
+    store code path) with asynchronous checkpoint upload."""
+    record = tmp_path / "record"
+    env = dict(os.environ, HYMT_RECORD_DIR=str(record), HYMT_FAULTS=json.dumps([NAN_FAULT]),
+               PYTHONPATH=str(HERE.parent))
+    storage = f"file://{tmp_path / 'runs'}"
+    proc = subprocess.run([sys.executable, str(HERE / "two_node_run.py"), storage, str(tmp_path / "outcome.json")],
+                          env=env, capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    outcome = json.loads((tmp_path / "outcome.json").read_text())
+    assert "error" not in outcome, outcome
+    assert len(outcome["nodes_before"]) == 2 and outcome["worker_node"] in outcome["nodes_before"]
+    killed = outcome["killed_after_step"]
+    assert killed >= 5
+    for rank in (0, 1):
+        records = read_records(record, rank)
+        runs = attempts(records)
+        assert len(runs) == 2 and runs[1][0]["step"] % 2 == 1 and runs[1][0]["step"] <= killed + 1
+        _assert_matches_reference(effective(records), reference["effective"][rank], range(1, STEPS + 1))
+    summary = outcome["summary"]
+    assert summary["steps"] == STEPS and summary["run_dir"] == f"{storage}/twonode"
+    run_dir = tmp_path / "runs" / "twonode"
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == STEPS
+    assert (run_dir / "config.yaml").exists() and (run_dir / "model" / "config.json").exists()
+    assert summary["model_dir"] == f"{storage}/twonode/model"
