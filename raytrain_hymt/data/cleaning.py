@@ -27,6 +27,7 @@ DROP_REASONS = (
     "identical",
     "duplicate",  # exact duplicate of an earlier pair (pair_key)
     "too_many_tokens",  # tokenizer: prompt + answer longer than the example budget
+    "subsampled",  # pipeline: left out by a source weight below 1 (not a quality problem)
 )
 """Every ``drop_reason`` the data pipeline can give a row, in the order the stages apply them."""
 

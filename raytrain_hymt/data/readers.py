@@ -1,17 +1,32 @@
 """Read parallel corpora into Ray Datasets of pairs, streaming, with the origin of every row.
 
 Every reader yields the same columns: ``src``, ``tgt``, ``src_lang``, ``tgt_lang`` (labels as found;
-canonicalised by cleaning), ``origin`` (``file:line``, for error messages), ``example_id`` (a stable
-64-bit id of the origin, used for exact resume and bookkeeping) and ``drop_reason`` (``malformed`` /
-``invalid_utf8`` for lines that could not be parsed; counted, never silently lost).
+canonicalised by cleaning), ``origin`` (``file:line`` for text files, ``file:row`` for Parquet/Arrow,
+1-based; for error messages), ``example_id`` (a stable 64-bit id of the source index and origin, used for
+deduplication ties, ordering and exact resume), ``source`` (index of the source in ``data.sources``) and
+``drop_reason`` (``malformed`` / ``invalid_utf8`` for rows that could not be parsed; counted, never
+silently lost; their ``src`` then says what was wrong and shows the raw text, for the log).
+
+Formats (``SourceConfig.format``): ``tatoeba`` (4-column TSV), ``tsv`` / ``csv`` (2 columns; CSV through
+the ``csv`` module, so quoted fields may hold commas, quotes and newlines), ``moses`` (``<prefix>.<src_lang>``
++ ``<prefix>.<tgt_lang>``, line-aligned; the prefix may be a glob), ``jsonl``, ``parquet``, ``hf_disk``
+(a ``save_to_disk`` folder) and ``hf_hub`` (a ``load_dataset`` name). Text files may be gzip-compressed
+(``.gz``). Paths may be local paths, globs, or any pyarrow filesystem URI (``file://``, ``s3://``, ``gs://``).
+
+Reading streams: one read task per file (per file pair for Moses), each yielding blocks of
+:data:`LINES_PER_BLOCK` rows, so no process ever holds a whole corpus.
 """
 
 from __future__ import annotations
 
+import csv
+import fnmatch
 import gzip
 import hashlib
 import io
-from collections.abc import Callable, Iterator
+import json
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
@@ -20,7 +35,11 @@ from raytrain_hymt.config import SourceConfig
 from raytrain_hymt.sample import SAMPLE_CORPUS
 
 LINES_PER_BLOCK = 8192
-PAIR_COLUMNS = ("src", "tgt", "src_lang", "tgt_lang", "origin", "example_id", "drop_reason")
+PAIR_COLUMNS = ("src", "tgt", "src_lang", "tgt_lang", "origin", "example_id", "source", "drop_reason")
+_TYPES = (pa.string(), pa.string(), pa.string(), pa.string(), pa.string(), pa.int64(), pa.int32(), pa.string())
+PAIR_SCHEMA = pa.schema(list(zip(PAIR_COLUMNS, _TYPES)))
+#: Characters of a bad row's raw text kept for the log.
+SAMPLE_CHARS = 200
 
 
 class DataSourceError(ValueError):
@@ -33,155 +52,486 @@ def example_id(source_index: int, origin: str) -> int:
     return int.from_bytes(digest, "little", signed=True)
 
 
-def expand_paths(pattern: str) -> list[str]:
-    """Files matching a path, glob or URI, sorted (a fixed order keeps the data order deterministic)."""
+def _is_glob(pattern: str) -> bool:
+    return any(ch in pattern for ch in "*?[")
+
+
+def expand_paths(pattern: str, *, required: bool = True) -> list[str]:
+    """Files matching a path, glob or URI, sorted (a fixed order keeps the data order deterministic).
+
+    ``required``: raise :class:`DataSourceError` when nothing matches (else return ``[]``).
+    """
     if pattern == "sample:":
         return [str(SAMPLE_CORPUS)]
-    import pyarrow.fs as pafs
-
     if "://" in pattern:
-        fs, base = pafs.FileSystem.from_uri(pattern.split("*")[0].rsplit("/", 1)[0] + "/")
-        scheme = pattern.split("://", 1)[0]
-        if any(ch in pattern for ch in "*?["):
-            infos = fs.get_file_info(pafs.FileSelector(base, recursive=True))
-            import fnmatch
+        import pyarrow.fs as pafs
 
-            pat = pattern.split("://", 1)[1]
-            found = [f"{scheme}://{i.path}" for i in infos if i.is_file and fnmatch.fnmatch(i.path, pat)]
+        scheme, rest = pattern.split("://", 1)
+        try:
+            fs, _ = pafs.FileSystem.from_uri(pattern.split("*")[0].rsplit("/", 1)[0] + "/")
+        except (pa.ArrowInvalid, OSError) as e:
+            raise DataSourceError(f"data source {pattern!r}: cannot open its filesystem: {e}") from None
+        # from_uri keeps the host part of a local URI out of the path; object stores keep the bucket in it.
+        inner = rest if scheme != "file" else "/" + rest.lstrip("/")
+        if _is_glob(pattern):
+            base = inner.split("*")[0].rsplit("/", 1)[0]
+            infos = fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
+            found = [f"{scheme}://{i.path}" for i in infos if i.is_file and fnmatch.fnmatch(i.path, inner)]
         else:
-            found = [pattern] if fs.get_file_info(pattern.split("://", 1)[1]).is_file else []
+            found = [pattern] if fs.get_file_info(inner).is_file else []
     else:
         path = Path(pattern).expanduser()
-        if any(ch in pattern for ch in "*?["):
+        if _is_glob(pattern):
             anchor = Path(path.anchor) if path.is_absolute() else Path(".")
             rel = str(path.relative_to(path.anchor)) if path.is_absolute() else str(path)
             found = [str(p.resolve()) for p in anchor.glob(rel) if p.is_file()]
         else:
             found = [str(path.resolve())] if path.is_file() else []
-    if not found:
+    if not found and required:
         raise DataSourceError(f"data source {pattern!r}: no such file (or the glob matched nothing)")
     return sorted(found)
+
+
+def _filesystem(path: str):
+    import pyarrow.fs as pafs
+
+    return pafs.FileSystem.from_uri(path)
 
 
 def open_binary(path: str) -> io.BufferedIOBase:
     """Open a local path or pyarrow-filesystem URI for reading bytes; ``.gz`` is decompressed."""
     if "://" in path:
-        import pyarrow.fs as pafs
-
-        fs, inner = pafs.FileSystem.from_uri(path)
-        raw: io.BufferedIOBase = fs.open_input_stream(inner)
+        fs, inner = _filesystem(path)
+        # pyarrow streams read bytes but cannot iterate lines; a BufferedReader can.
+        raw: io.BufferedIOBase = io.BufferedReader(fs.open_input_stream(inner))
     else:
         raw = open(path, "rb")
     return gzip.GzipFile(fileobj=raw) if path.endswith(".gz") else raw
 
 
-LineParser = Callable[[str], tuple[str, str, str, str] | None]
+def open_random_access(path: str):
+    """A seekable file (Parquet needs one) for a local path or a pyarrow-filesystem URI."""
+    if "://" in path:
+        fs, inner = _filesystem(path)
+        return fs.open_input_file(inner)
+    return pa.OSFile(path, "rb")
+
+
+def count_lines(path: str) -> int:
+    """Lines in a (possibly gzipped) text file, as Python's line iteration counts them."""
+    n, last = 0, b"\n"
+    with open_binary(path) as f:
+        while chunk := f.read(1 << 20):
+            n += chunk.count(b"\n")
+            last = chunk[-1:]
+    return n + (last != b"\n")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Rows → blocks
+
+
+class _Blocks:
+    """Collects rows and hands out Arrow blocks of :data:`LINES_PER_BLOCK` rows."""
+
+    def __init__(self, source_index: int):
+        self.source_index = source_index
+        self.cols: dict[str, list] = {c: [] for c in PAIR_COLUMNS}
+
+    def add(self, src: str, tgt: str, sl: str, tl: str, origin: str, reason: str = "") -> pa.Table | None:
+        c = self.cols
+        c["src"].append(src)
+        c["tgt"].append(tgt)
+        c["src_lang"].append(sl)
+        c["tgt_lang"].append(tl)
+        c["origin"].append(origin)
+        c["example_id"].append(example_id(self.source_index, origin))
+        c["source"].append(self.source_index)
+        c["drop_reason"].append(reason)
+        return self.flush() if len(c["src"]) >= LINES_PER_BLOCK else None
+
+    def bad(self, origin: str, reason: str, problem: str, raw: str) -> pa.Table | None:
+        """A row that could not be parsed: kept (to be counted) with what was wrong and the raw text."""
+        return self.add(f"{problem}: {raw[:SAMPLE_CHARS]}", "", "", "", origin, reason)
+
+    def flush(self) -> pa.Table | None:
+        if not self.cols["src"]:
+            return None
+        table = pa.table(self.cols, schema=PAIR_SCHEMA)
+        self.cols = {c: [] for c in PAIR_COLUMNS}
+        return table
+
+
+def _decoded_lines(path: str) -> Iterator[tuple[int, str, bool]]:
+    """``(line number, text without the line end, decoded cleanly)`` of a text file."""
+    with open_binary(path) as f:
+        for lineno, raw in enumerate(f, start=1):
+            raw = raw.rstrip(b"\r\n")
+            try:
+                yield lineno, raw.decode("utf-8"), True
+            except UnicodeDecodeError:
+                yield lineno, raw.decode("utf-8", errors="replace"), False
+
+
+# A line parser: the pair's (src, tgt, src_lang, tgt_lang), or a string saying what is wrong with it.
+LineParser = Callable[[str], "tuple[str, str, str, str] | str"]
 
 
 def tatoeba_parser(default_src: str | None, default_tgt: str | None) -> LineParser:
-    """``src_lang<TAB>tgt_lang<TAB>src<TAB>tgt`` → fields; None for a malformed line."""
+    """``src_lang<TAB>tgt_lang<TAB>src<TAB>tgt`` → fields; a problem string for a malformed line."""
 
     def parse(line: str):
         cols = line.split("\t")
         if len(cols) != 4:
-            return None
+            return f"expected 4 tab-separated columns, got {len(cols)}"
         return cols[2], cols[3], cols[0] or default_src or "", cols[1] or default_tgt or ""
 
     return parse
 
 
 def delimited_parser(sep: str, src_lang: str, tgt_lang: str) -> LineParser:
-    """Two columns ``src<sep>tgt`` with languages from the config; None for a malformed line."""
+    """Two columns ``src<sep>tgt`` (no quoting) with languages from the config."""
 
     def parse(line: str):
         cols = line.split(sep)
         if len(cols) != 2:
-            return None
+            return f"expected 2 {sep!r}-separated columns, got {len(cols)}"
         return cols[0], cols[1], src_lang, tgt_lang
 
     return parse
 
 
-def _rows_to_table(rows: dict[str, list]) -> pa.Table:
-    return pa.table(
-        {
-            "src": pa.array(rows["src"], pa.string()),
-            "tgt": pa.array(rows["tgt"], pa.string()),
-            "src_lang": pa.array(rows["src_lang"], pa.string()),
-            "tgt_lang": pa.array(rows["tgt_lang"], pa.string()),
-            "origin": pa.array(rows["origin"], pa.string()),
-            "example_id": pa.array(rows["example_id"], pa.int64()),
-            "drop_reason": pa.array(rows["drop_reason"], pa.string()),
-        }
-    )
-
-
 def read_lines(path: str, source_index: int, parse: LineParser, display: str) -> Iterator[pa.Table]:
-    """Stream one line-based file as blocks of pairs; unparseable lines become counted drop rows."""
-    rows: dict[str, list] = {c: [] for c in PAIR_COLUMNS}
-    with open_binary(path) as f:
-        for lineno, raw in enumerate(f, start=1):
-            origin = f"{display}:{lineno}"
-            raw = raw.rstrip(b"\r\n")
-            reason = ""
+    """Stream one line-based file as blocks of pairs; unparseable lines become counted drop rows.
+    Blank lines (e.g. a trailing one) are not data and are skipped."""
+    blocks = _Blocks(source_index)
+    for lineno, line, ok in _decoded_lines(path):
+        if not line.strip():
+            continue
+        origin = f"{display}:{lineno}"
+        fields = parse(line) if ok else "not valid UTF-8"
+        if isinstance(fields, str):
+            out = blocks.bad(origin, "malformed" if ok else "invalid_utf8", fields, line)
+        else:
+            out = blocks.add(*fields, origin)
+        if out is not None:
+            yield out
+    if (last := blocks.flush()) is not None:
+        yield last
+
+
+def read_csv(path: str, source_index: int, src_lang: str, tgt_lang: str, display: str) -> Iterator[pa.Table]:
+    """Stream a 2-column CSV (RFC 4180 quoting through the ``csv`` module; a record may span lines).
+
+    ``origin`` is the record's first line. A record with another number of fields, or one the ``csv``
+    module rejects (e.g. a stray quote), is ``malformed``; one touching a line that is not valid UTF-8 is
+    ``invalid_utf8``.
+    """
+    blocks = _Blocks(source_index)
+    state = {"first": 0, "last": 0, "bad_utf8": False, "text": []}
+
+    def lines() -> Iterator[str]:
+        for lineno, line, ok in _decoded_lines(path):
+            if not state["first"]:
+                state["first"] = lineno
+            state["last"] = lineno
+            state["bad_utf8"] |= not ok
+            state["text"].append(line)
+            yield line + "\n"
+
+    reader = csv.reader(lines(), strict=True)
+    while True:
+        try:
+            record = next(reader)
+            problem = "" if len(record) == 2 else f"expected 2 comma-separated fields, got {len(record)}"
+        except StopIteration:
+            break
+        except csv.Error as e:
+            record, problem = [], f"CSV error: {e}"
+        origin, raw = f"{display}:{state['first']}", "\n".join(state["text"])
+        if state["bad_utf8"]:
+            out = blocks.bad(origin, "invalid_utf8", "not valid UTF-8", raw)
+        elif problem:
+            out = blocks.bad(origin, "malformed", problem, raw)
+        elif not record or not "".join(record).strip():
+            out = None  # a blank line
+        else:
+            out = blocks.add(record[0], record[1], src_lang, tgt_lang, origin)
+        state.update(first=0, bad_utf8=False, text=[])
+        if out is not None:
+            yield out
+    if (last := blocks.flush()) is not None:
+        yield last
+
+
+def read_moses(src_path: str, tgt_path: str, source_index: int, src_lang: str, tgt_lang: str) -> Iterator[pa.Table]:
+    """Stream a Moses file pair line by line. Every line is a row (an empty side is dropped later as
+    ``empty``, so the alignment is never shifted); ``origin`` names the source file."""
+    blocks = _Blocks(source_index)
+    src_lines, tgt_lines = _decoded_lines(src_path), _decoded_lines(tgt_path)
+    for (lineno, src, ok_src), (_, tgt, ok_tgt) in zip(src_lines, tgt_lines, strict=True):
+        origin = f"{src_path}:{lineno}"
+        if ok_src and ok_tgt:
+            out = blocks.add(src, tgt, src_lang, tgt_lang, origin)
+        else:
+            bad = src_path if not ok_src else tgt_path
+            out = blocks.bad(origin, "invalid_utf8", f"not valid UTF-8 in {bad}", src if not ok_src else tgt)
+        if out is not None:
+            yield out
+    if (last := blocks.flush()) is not None:
+        yield last
+
+
+# ---------------------------------------------------------------------------------------------------
+# Columnar sources: JSONL objects, Parquet, Arrow (Hugging Face datasets)
+
+
+@dataclass(frozen=True)
+class Columns:
+    """Where the texts are: ``src_column``/``tgt_column`` hold strings, or (Hugging Face's shape) a dict
+    or struct keyed by language, e.g. ``translation: {"en": ..., "zh": ...}``, read at ``src_lang`` /
+    ``tgt_lang``."""
+
+    src_column: str
+    tgt_column: str
+    src_lang: str
+    tgt_lang: str
+
+    def text(self, row: dict, column: str, lang: str) -> str:
+        """One side of a JSON object row; ``ValueError`` says what is missing or wrong."""
+        if column not in row:
+            raise ValueError(f"no field {column!r} (fields: {', '.join(map(str, row)) or 'none'})")
+        value = row[column]
+        if isinstance(value, dict):
+            if lang not in value:
+                raise ValueError(f"field {column!r} has no key {lang!r} (keys: {', '.join(map(str, value))})")
+            value = value[lang]
+        if value is None:
+            return ""
+        if not isinstance(value, str):
+            raise ValueError(f"field {column!r} is {type(value).__name__}, not text")
+        return value
+
+
+def read_jsonl(path: str, source_index: int, columns: Columns, display: str) -> Iterator[pa.Table]:
+    """Stream a JSON-lines file: one object per line; a line that is not an object with both texts is
+    ``malformed`` (its ``src`` says why)."""
+    blocks = _Blocks(source_index)
+    for lineno, line, ok in _decoded_lines(path):
+        if not line.strip():
+            continue
+        origin = f"{display}:{lineno}"
+        if not ok:
+            out = blocks.bad(origin, "invalid_utf8", "not valid UTF-8", line)
+        else:
             try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                line, reason = raw.decode("utf-8", errors="replace"), "invalid_utf8"
-            fields = parse(line) if not reason else None
-            if fields is None:
-                # Keep the text (cut) so the log can show a sample of what was wrong.
-                fields, reason = (line[:200], "", "", ""), reason or "malformed"
-            if not raw.strip():
-                continue  # blank lines (e.g. a trailing one) are not data
-            src, tgt, sl, tl = fields
-            for key, value in zip(PAIR_COLUMNS, (src, tgt, sl, tl, origin, example_id(source_index, origin), reason)):
-                rows[key].append(value)
-            if len(rows["src"]) >= LINES_PER_BLOCK:
-                yield _rows_to_table(rows)
-                rows = {c: [] for c in PAIR_COLUMNS}
-    if rows["src"]:
-        yield _rows_to_table(rows)
+                row = json.loads(line)
+                if not isinstance(row, dict):
+                    raise ValueError(f"expected a JSON object, got {type(row).__name__}")
+                src = columns.text(row, columns.src_column, columns.src_lang)
+                tgt = columns.text(row, columns.tgt_column, columns.tgt_lang)
+            except ValueError as e:  # json.JSONDecodeError is a ValueError
+                out = blocks.bad(origin, "malformed", str(e), line)
+            else:
+                out = blocks.add(src, tgt, columns.src_lang, columns.tgt_lang, origin)
+        if out is not None:
+            yield out
+    if (last := blocks.flush()) is not None:
+        yield last
 
 
-def _line_parser(source: SourceConfig) -> LineParser:
-    if source.format == "tatoeba":
-        return tatoeba_parser(source.src_lang, source.tgt_lang)
+def _text_column(batch: pa.RecordBatch, column: str, lang: str, display: str) -> list:
+    """One side of an Arrow batch as Python strings (None for nulls); a missing or non-text column is a
+    :class:`DataSourceError` (the whole file is wrong, not one row)."""
+    names = batch.schema.names
+    if column not in names:
+        raise DataSourceError(
+            f"{display}: no column {column!r} (columns: {', '.join(names)}); set src_column/tgt_column "
+            "(for Hugging Face's translation dicts: src_column and tgt_column 'translation')"
+        )
+    array = batch.column(column)
+    if pa.types.is_struct(array.type):
+        fields = [array.type.field(i).name for i in range(array.type.num_fields)]
+        if lang not in fields:
+            raise DataSourceError(f"{display}: column {column!r} has no field {lang!r} (fields: {', '.join(fields)})")
+        array = array.field(lang)
+    if not (pa.types.is_string(array.type) or pa.types.is_large_string(array.type)):
+        raise DataSourceError(f"{display}: column {column!r} holds {array.type}, not text")
+    return array.to_pylist()
+
+
+def read_batches(batches: Iterable[pa.RecordBatch], source_index: int, columns: Columns, display: str) -> Iterator[pa.Table]:
+    """Arrow record batches (Parquet, Arrow IPC) → blocks of pairs; ``origin`` is ``file:row``."""
+    blocks = _Blocks(source_index)
+    row = 0
+    for batch in batches:
+        srcs = _text_column(batch, columns.src_column, columns.src_lang, display)
+        tgts = _text_column(batch, columns.tgt_column, columns.tgt_lang, display)
+        for src, tgt in zip(srcs, tgts):
+            row += 1
+            out = blocks.add(src or "", tgt or "", columns.src_lang, columns.tgt_lang, f"{display}:{row}")
+            if out is not None:
+                yield out
+    if (last := blocks.flush()) is not None:
+        yield last
+
+
+def parquet_batches(path: str, columns: Columns) -> Iterator[pa.RecordBatch]:
+    """Record batches of a Parquet file, only the text columns, streamed."""
+    import pyarrow.parquet as pq
+
+    with open_random_access(path) as f:
+        pf = pq.ParquetFile(f)
+        wanted = {columns.src_column, columns.tgt_column}
+        # A missing column: read them all, so the error (in read_batches) lists what the file has.
+        subset = sorted(wanted) if wanted <= set(pf.schema_arrow.names) else None
+        yield from pf.iter_batches(batch_size=LINES_PER_BLOCK, columns=subset)
+
+
+def arrow_stream_batches(path: str) -> Iterator[pa.RecordBatch]:
+    """Record batches of an Arrow IPC stream file (the cache/``save_to_disk`` files of HF datasets), memory-mapped."""
+    with pa.memory_map(path) as source:
+        yield from pa.ipc.open_stream(source)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Planning: source config → read units (one per file or file pair)
+
+
+@dataclass(frozen=True)
+class ReadUnit:
+    """One read task: a function producing blocks, and the files it reads (for Ray's metadata)."""
+
+    read: Callable[[], Iterator[pa.Table]]
+    files: tuple[str, ...]
+
+
+def _languages(source: SourceConfig) -> tuple[str, str]:
     if source.src_lang is None or source.tgt_lang is None:
         raise DataSourceError(
             f"data source {source.path!r} (format {source.format}): set src_lang and tgt_lang, "
             "the rows do not carry their languages"
         )
-    return delimited_parser("\t" if source.format == "tsv" else ",", source.src_lang, source.tgt_lang)
+    return source.src_lang, source.tgt_lang
 
 
-def read_source(source: SourceConfig, source_index: int):
-    """One configured source as a Ray Dataset of pairs (one read task per file, streamed in blocks)."""
-    import ray.data
+def moses_pairs(source: SourceConfig) -> list[tuple[str, str]]:
+    """``(<prefix>.<src_lang>, <prefix>.<tgt_lang>)`` file pairs of a Moses source (``.gz`` allowed); a
+    missing partner is a :class:`DataSourceError`."""
+    src_lang, tgt_lang = _languages(source)
+    pairs = []
+    for gz in ("", ".gz"):
+        for src_file in expand_paths(f"{source.path}.{src_lang}{gz}", required=False):
+            tgt_file = src_file[: len(src_file) - len(f".{src_lang}{gz}")] + f".{tgt_lang}{gz}"
+            if not expand_paths(tgt_file, required=False):
+                raise DataSourceError(f"Moses source {source.path!r}: {src_file} has no partner {tgt_file}")
+            pairs.append((src_file, tgt_file))
+    if not pairs:
+        raise DataSourceError(
+            f"Moses source {source.path!r}: no files {source.path}.{src_lang} (or .{src_lang}.gz) found"
+        )
+    return sorted(pairs)
+
+
+def check_moses_line_counts(pairs: list[tuple[str, str]]) -> None:
+    """Count the lines of every Moses file pair in parallel Ray tasks (a fast pre-pass when the dataset
+    is planned, before any training) and raise :class:`DataSourceError` naming both files and both
+    counts when a pair differs."""
+    import ray
+
+    counter = ray.remote(num_cpus=0.5)(count_lines)
+    files = [f for pair in pairs for f in pair]
+    counts = dict(zip(files, ray.get([counter.remote(f) for f in files])))
+    bad = [f"{s} has {counts[s]} lines but {t} has {counts[t]}" for s, t in pairs if counts[s] != counts[t]]
+    if bad:
+        raise DataSourceError("Moses files are not line-aligned: " + "; ".join(bad))
+
+
+def hf_arrow_files(source: SourceConfig) -> list[str]:
+    """The Arrow files behind a Hugging Face dataset: a ``save_to_disk`` folder (``hf_disk``) or a
+    ``load_dataset`` name resolved through the local cache or the hub (``hf_hub``)."""
+    import datasets
+
+    try:
+        if source.format == "hf_disk":
+            ds = datasets.load_from_disk(source.path)
+        else:
+            ds = datasets.load_dataset(source.path, split=source.split)
+    except FileNotFoundError as e:
+        raise DataSourceError(f"data source {source.path!r} ({source.format}): not found: {e}") from None
+    except Exception as e:  # noqa: BLE001 - hub errors come in many types (offline, 404, auth): say which
+        raise DataSourceError(
+            f"data source {source.path!r} (hf_hub): load_dataset failed: {type(e).__name__}: {e}. "
+            "Offline, a hub dataset must already be in the Hugging Face cache (HF_DATASETS_CACHE); "
+            "or save it with save_to_disk and use format hf_disk."
+        ) from None
+    if isinstance(ds, datasets.DatasetDict):
+        if source.split not in ds:
+            raise DataSourceError(f"data source {source.path!r}: no split {source.split!r} (splits: {', '.join(ds)})")
+        ds = ds[source.split]
+    files = [f["filename"] for f in ds.cache_files]
+    if not files:
+        raise DataSourceError(f"data source {source.path!r}: the dataset is held in memory only, no Arrow files to stream")
+    return files
+
+
+def plan_source(source: SourceConfig, source_index: int) -> list[ReadUnit]:
+    """The read tasks of one configured source. Checks what can be checked before reading (files exist,
+    Moses line counts, languages given); row-level problems are found while reading."""
+    fmt = source.format
+    if fmt == "moses":
+        src_lang, tgt_lang = _languages(source)
+        pairs = moses_pairs(source)
+        check_moses_line_counts(pairs)
+        return [ReadUnit(lambda s=s, t=t: read_moses(s, t, source_index, src_lang, tgt_lang), (s, t)) for s, t in pairs]
+    if fmt in ("hf_disk", "hf_hub"):
+        files = hf_arrow_files(source)
+    else:
+        files = expand_paths(source.path)
+
+    def display(path: str) -> str:
+        return "sample:tatoeba-eng-zho.tsv" if source.path == "sample:" else path
+
+    if fmt == "tatoeba":
+        parse = tatoeba_parser(source.src_lang, source.tgt_lang)
+        return [ReadUnit(lambda p=p: read_lines(p, source_index, parse, display(p)), (p,)) for p in files]
+    src_lang, tgt_lang = _languages(source)
+    if fmt == "tsv":
+        parse = delimited_parser("\t", src_lang, tgt_lang)
+        return [ReadUnit(lambda p=p: read_lines(p, source_index, parse, p), (p,)) for p in files]
+    if fmt == "csv":
+        return [ReadUnit(lambda p=p: read_csv(p, source_index, src_lang, tgt_lang, p), (p,)) for p in files]
+    columns = Columns(source.src_column, source.tgt_column, src_lang, tgt_lang)
+    if fmt == "jsonl":
+        return [ReadUnit(lambda p=p: read_jsonl(p, source_index, columns, p), (p,)) for p in files]
+    if fmt == "parquet":
+        return [ReadUnit(lambda p=p: read_batches(parquet_batches(p, columns), source_index, columns, p), (p,)) for p in files]
+    return [ReadUnit(lambda p=p: read_batches(arrow_stream_batches(p), source_index, columns, p), (p,)) for p in files]
+
+
+def _planned_datasource(units: list[ReadUnit]):
     from ray.data.block import BlockMetadata
     from ray.data.datasource import Datasource, ReadTask
 
-    if source.format not in ("tatoeba", "tsv", "csv"):
-        raise DataSourceError(f"data source {source.path!r}: format {source.format!r} is not supported yet")
-    parse = _line_parser(source)
-    files = expand_paths(source.path)
+    class PlannedFiles(Datasource):
+        """One Ray read task per :class:`ReadUnit`, in plan order."""
 
-    class _LineFiles(Datasource):
         def estimate_inmemory_data_size(self):
             return None
 
         def get_read_tasks(self, parallelism, per_task_row_limit=None, data_context=None):
             tasks = []
-            for path in files:
-                display = "sample:tatoeba-eng-zho.tsv" if source.path == "sample:" else path
-                meta = BlockMetadata(num_rows=None, size_bytes=None, input_files=[path], exec_stats=None)
-                tasks.append(
-                    ReadTask(
-                        lambda p=path, d=display: read_lines(p, source_index, parse, d),
-                        meta,
-                        per_task_row_limit=per_task_row_limit,
-                    )
-                )
+            for unit in units:
+                meta = BlockMetadata(num_rows=None, size_bytes=None, input_files=list(unit.files), exec_stats=None)
+                tasks.append(ReadTask(unit.read, meta, schema=PAIR_SCHEMA, per_task_row_limit=per_task_row_limit))
             return tasks
 
-    return ray.data.read_datasource(_LineFiles(), override_num_blocks=len(files))
+    return PlannedFiles()
+
+
+def read_source(source: SourceConfig, source_index: int):
+    """One configured source as a Ray Dataset of pairs (one read task per file, streamed in blocks)."""
+    import ray.data
+
+    units = plan_source(source, source_index)
+    return ray.data.read_datasource(_planned_datasource(units), override_num_blocks=len(units))
