@@ -29,7 +29,10 @@ from pathlib import Path
 import numpy as np
 import psutil
 
-from raytrain_hymt.sample import SAMPLE_CORPUS
+# Under `ray job submit` the working dir is the repo but the package may not be installed there.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from raytrain_hymt.sample import SAMPLE_CORPUS  # noqa: E402
 
 
 def scaled_corpus(scale: int, folder: Path) -> Path:

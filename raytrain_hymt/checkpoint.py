@@ -59,9 +59,28 @@ class RunState:
     zero_stage: int
     tracking_run_id: str | None = None
     skipped_steps: int = 0
+    global_rows: int = 0
+    """Rows per optimizer step (workers × accumulation × micro-batch); the data position counts these."""
     generation: int = 0
     """Times the run fell back to a checkpoint older than Ray's latest; part of the folder name, so a
     re-saved step never lands in the folder of a rejected checkpoint Ray still tracks (and deletes)."""
+
+
+class ResumeMismatchError(ValueError):
+    """A run resumed with a batch shape other than the one it was checkpointed with."""
+
+
+def check_same_shape(state: RunState, world_size: int, global_rows: int, zero_stage: int) -> None:
+    """Refuse to resume with another worker count, global batch or ZeRO stage: the data position (global
+    batches consumed) and the optimizer shards only mean something for the shape they were saved with."""
+    saved = (state.world_size, state.global_rows or global_rows, state.zero_stage)
+    if saved != (world_size, global_rows, zero_stage):
+        raise ResumeMismatchError(
+            f"this run was checkpointed with {state.world_size} workers, {state.global_rows} rows per step and "
+            f"ZeRO-{state.zero_stage}; now {world_size} workers, {global_rows} rows per step, ZeRO-{zero_stage}. "
+            "Resume with the original scaling.num_workers, optim.micro_batch_size, optim.grad_accum and "
+            "deepspeed.zero_stage, or start a new run (another --name)"
+        )
 
 
 def step_tag(step: int) -> str:
@@ -208,10 +227,19 @@ def full_state_dict(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
         return get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=state.tag)
 
 
+def _check_export_target(out: Path) -> None:
+    """Refuse to replace a folder that is not an exported model (export swaps the whole folder)."""
+    if out.exists() and any(out.iterdir()) and not (out / "config.json").exists():
+        raise FileExistsError(f"{out} exists and is not a model folder; export to a new or empty folder")
+
+
 def export_hf(folder: str | os.PathLike, out_dir: str | os.PathLike, dtype: torch.dtype = torch.bfloat16) -> Path:
     """Write a Hugging Face model folder (safetensors, config, tokenizer, generation config) from a checkpoint."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+    read_state(folder)  # "not a (whole) checkpoint" before anything else, never a hub lookup of a typo
+    out = Path(out_dir)
+    _check_export_target(out)
     hf = Path(folder, HF_DIR)
     config = AutoConfig.from_pretrained(hf)
     weights = full_state_dict(folder)
@@ -234,7 +262,6 @@ def export_hf(folder: str | os.PathLike, out_dir: str | os.PathLike, dtype: torc
     if tied:
         model.tie_weights()
     model = model.to(dtype)
-    out = Path(out_dir)
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from raytrain_hymt.config import ConfigError, load_config
@@ -96,11 +97,14 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except Exception as e:  # noqa: BLE001 - the last line of defence: one clear line, full trace in the log
+    except Exception as e:  # noqa: BLE001 - the last line of defence: one clear line (trace on request)
         from raytrain_hymt.errors import describe_failure
 
-        log.debug("failure", exc_info=True)
+        if os.environ.get("HYMT_VERBOSE"):
+            log.error("traceback:", exc_info=True)
         print(f"error: {describe_failure(e)}", file=sys.stderr)
+        if not os.environ.get("HYMT_VERBOSE"):
+            print("(set HYMT_VERBOSE=1 for the full traceback and Ray's own output)", file=sys.stderr)
         return 1
 
 

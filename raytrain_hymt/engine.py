@@ -9,9 +9,6 @@ from typing import Any
 
 from raytrain_hymt.config import Config, ConfigError, LoraConfig
 
-_DTYPE_NAMES = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16"}
-
-
 def build_ds_config(cfg: Config, world_size: int, on_gpu: bool) -> dict[str, Any]:
     """The DeepSpeed config for ``cfg`` on ``world_size`` workers, merged with the user's JSON if given."""
     ds, opt = cfg.deepspeed, cfg.optim
@@ -21,9 +18,6 @@ def build_ds_config(cfg: Config, world_size: int, on_gpu: bool) -> dict[str, Any
         "contiguous_gradients": True,
         "reduce_bucket_size": ds.reduce_bucket_size,
     }
-    if ds.zero_stage == 3:
-        # Export gathers full weights from the shards; without this flag DeepSpeed saves none.
-        zero["stage3_gather_16bit_weights_on_model_save"] = True
     if ds.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": on_gpu}
     if ds.offload_param:
@@ -52,7 +46,7 @@ def build_ds_config(cfg: Config, world_size: int, on_gpu: bool) -> dict[str, Any
         "wall_clock_breakdown": False,
     }
     if ds.communication_data_type:
-        config["communication_data_type"] = _DTYPE_NAMES[ds.communication_data_type]
+        config["communication_data_type"] = ds.communication_data_type  # the names DeepSpeed uses
     if ds.config_file:
         config = merge_user_ds_config(config, json.loads(Path(ds.config_file).read_text()), ds.config_file)
     return config

@@ -115,10 +115,11 @@ def load_model(
     """
     from transformers import AutoModelForCausalLM
 
+    # One seed for everything random from here on: random-init weights, LoRA adapters, dropout.
+    torch.manual_seed(seed)
     if name_or_path.startswith(RANDOM_PREFIX):
-        model = _random_model(name_or_path[len(RANDOM_PREFIX):], tokenizer, dtype, attn_implementation, seed, device)
+        model = _random_model(name_or_path[len(RANDOM_PREFIX):], tokenizer, dtype, attn_implementation, device)
     elif name_or_path == TINY_MODEL:
-        torch.manual_seed(seed)
         cfg = tiny_model_config(
             padded_vocab_size(tokenizer),
             pad_token_id=tokenizer.pad_token_id,
@@ -159,7 +160,7 @@ def hunyuan_7b_config(layers: int = 32, tie_word_embeddings: bool = True, **over
     return shape
 
 
-def _random_model(config_json: str, tokenizer, dtype: torch.dtype, attn_implementation: str, seed: int, device):
+def _random_model(config_json: str, tokenizer, dtype: torch.dtype, attn_implementation: str, device):
     """A random-init causal LM of the shape in ``config_json``, built directly on ``device``."""
     import json
 
@@ -172,7 +173,6 @@ def _random_model(config_json: str, tokenizer, dtype: torch.dtype, attn_implemen
     if fields.get("vocab_size", 0) < len(tokenizer):
         raise ValueError(f"{path}: vocab_size {fields.get('vocab_size')} is smaller than the tokenizer ({len(tokenizer)})")
     cfg = AutoConfig.for_model(**fields)
-    torch.manual_seed(seed)
     # Initialising 7 B parameters on the GPU takes seconds; on the CPU, minutes.
     with torch.device(device or "cpu"):
         return AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn_implementation)

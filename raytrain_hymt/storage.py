@@ -24,7 +24,8 @@ def is_uri(path: str) -> bool:
 class RunFolder:
     """The folder ``<storage_root>/<name>`` on whatever filesystem ``storage_root`` names."""
 
-    def __init__(self, storage_root: str, name: str):
+    def __init__(self, storage_root: str, name: str, create: bool = True):
+        """``create=False`` only looks (e.g. "did this run finish?") and leaves no empty folders behind."""
         import pyarrow.fs
 
         self.uri = f"{storage_root.rstrip('/')}/{name}"
@@ -35,8 +36,9 @@ class RunFolder:
         else:
             self.fs, self.path = pyarrow.fs.LocalFileSystem(), str(Path(storage_root, name))
             self.local = Path(self.path)
-        self.fs.create_dir(self.path, recursive=True)
-        self.local.mkdir(parents=True, exist_ok=True)
+        if create:
+            self.fs.create_dir(self.path, recursive=True)
+            self.local.mkdir(parents=True, exist_ok=True)
 
     @property
     def remote(self) -> bool:

@@ -26,6 +26,8 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
+
+from raytrain_hymt.config import flatten
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -155,18 +157,6 @@ def redact_text(text: str) -> str:
 # --------------------------------------------------------------------------------------------------
 # Helpers
 # --------------------------------------------------------------------------------------------------
-
-
-def flatten(params: Mapping, prefix: str = "") -> dict[str, Any]:
-    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; empty dicts stay leaves."""
-    out: dict[str, Any] = {}
-    for key, value in params.items():
-        name = f"{prefix}.{key}" if prefix else str(key)
-        if isinstance(value, Mapping) and value:
-            out.update(flatten(value, name))
-        else:
-            out[name] = value
-    return out
 
 
 def clean_key(key: str) -> str:

@@ -99,7 +99,7 @@ def _memory_gib(device) -> float:
     return psutil.Process().memory_info().rss / 2**30
 
 
-def _forward_loss(engine, batch: dict, device, fused: bool = False) -> torch.Tensor:
+def _forward_loss(engine, batch: dict, fused: bool = False) -> torch.Tensor:
     from raytrain_hymt.data.packing import token_loss_sum
 
     if fused:  # model.use_fused_loss: the model returns the summed token loss itself
@@ -136,6 +136,7 @@ class Worker:
                 f"({self.world} workers × {opt.grad_accum} accumulation × {opt.micro_batch_size} rows)"
             )
         self.total_steps = opt.max_steps or opt.epochs * self.per_epoch
+        self.global_rows = self.world * opt.grad_accum * opt.micro_batch_size
 
     def build(self) -> None:
         from raytrain_hymt.engine import initialize_engine
@@ -192,7 +193,13 @@ class Worker:
         """
         import ray.train
 
-        from raytrain_hymt.checkpoint import IncompleteCheckpointError, check_checkpoint, older_checkpoints, restore_rank
+        from raytrain_hymt.checkpoint import (
+            IncompleteCheckpointError,
+            check_checkpoint,
+            check_same_shape,
+            older_checkpoints,
+            restore_rank,
+        )
 
         latest = ray.train.get_checkpoint()
         if latest is None:
@@ -201,12 +208,13 @@ class Worker:
         rejected = []
         for path in [latest.path, *older_checkpoints(fs, latest.path)]:
             try:
-                check_checkpoint(fs, path)
+                saved = check_checkpoint(fs, path)
             except IncompleteCheckpointError as e:
                 rejected.append(str(e))
                 if self.rank == 0:
                     log.warning("not resuming from %s", e)
                 continue
+            check_same_shape(saved, self.world, self.global_rows, self.cfg.deepspeed.zero_stage)
             error = None
             try:
                 with ray.train.Checkpoint(path, filesystem=fs).as_directory() as folder:
@@ -245,7 +253,7 @@ class Worker:
         loss_total = 0.0
         bad_ranks: list[int] = []
         for index, m in enumerate(micro):
-            loss_sum = _forward_loss(self.engine, m, self.device, self.cfg.model.fused_loss)
+            loss_sum = _forward_loss(self.engine, m, self.cfg.model.fused_loss)
             loss_value = float(loss_sum.detach())
             # Checked on every rank alike before backward: a fail stops here, a skip lets the NaN reach the
             # gradients, whose non-finite norm makes the optimizer discard the update (checked below).
@@ -286,8 +294,9 @@ class Worker:
         return metrics
 
     @torch.no_grad()
-    def validate(self) -> float:
-        """Mean token loss over the whole validation set (every rank evaluates its slice)."""
+    def validate(self) -> float | None:
+        """Mean token loss over the whole validation set (every rank evaluates its slice); None when the
+        validation set is empty (``data.val_fraction: 0``), so no one mistakes 0 for a perfect model."""
         import ray.train
 
         from raytrain_hymt.data.packing import token_loss_sum
@@ -308,7 +317,7 @@ class Worker:
                 loss, tokens = loss + float(s), tokens + float(n)
         self.engine.train()
         total_loss, total_tokens = _all_reduce_sum([loss, tokens], self.device)
-        return total_loss / max(total_tokens, 1.0)
+        return total_loss / total_tokens if total_tokens else None
 
 
 def _rank_example_ids(global_batch: dict, rank: int, world: int, grad_accum: int, micro_batch: int) -> list[int]:
@@ -349,65 +358,69 @@ def train_loop(loop_config: dict) -> None:
         run_id=inputs.tracking_run_id, local_dir=inputs.run_dir, tensorboard=cfg.tracking.tensorboard,
         retry_interval_s=cfg.tracking.retry_interval_s,
     )
-    tracker.log_dict(w.ds_config, "deepspeed_config.json")  # the resolved one, "auto" values filled in
-    train = ray.train.get_dataset_shard("train")
-    opt = cfg.optim
-    global_rows = w.world * opt.grad_accum * opt.micro_batch_size
-    upload = ray.train.CheckpointUploadMode.ASYNC if cfg.checkpoint.async_upload else ray.train.CheckpointUploadMode.SYNC
-    if w.rank == 0:
-        log.info("training %d steps (%d per epoch) on %d workers, global batch %d rows%s",
-                 w.total_steps, w.per_epoch, w.world, global_rows,
-                 f", resuming after step {step} (epoch {epoch}, skipping {skip} batches)" if state else "")
-    val_loss = None
-    while step < w.total_steps:
-        batches = train.iter_batches(batch_size=global_rows, batch_format="numpy", drop_last=True, prefetch_batches=2)
-        for index, global_batch in enumerate(batches):
-            if index < skip:
+    try:
+        tracker.log_dict(w.ds_config, "deepspeed_config.json")  # the resolved one, "auto" values filled in
+        train = ray.train.get_dataset_shard("train")
+        opt = cfg.optim
+        global_rows = w.global_rows
+        upload = ray.train.CheckpointUploadMode.ASYNC if cfg.checkpoint.async_upload else ray.train.CheckpointUploadMode.SYNC
+        if w.rank == 0:
+            log.info("training %d steps (%d per epoch) on %d workers, global batch %d rows%s",
+                     w.total_steps, w.per_epoch, w.world, global_rows,
+                     f", resuming after step {step} (epoch {epoch}, skipping {skip} batches)" if state else "")
+        val_loss = None
+        while step < w.total_steps:
+            batches = train.iter_batches(batch_size=global_rows, batch_format="numpy", drop_last=True, prefetch_batches=2)
+            for index, global_batch in enumerate(batches):
+                if index < skip:
+                    continue
+                faults.before_step(step + 1, w.rank)
+                with faults.nan_loss(w.engine.module, step + 1, w.rank):
+                    metrics = w.train_step(global_batch)
+                step += 1
+                skipped = bool(metrics.pop("train/skipped"))
+                skipped_steps += skipped
+                metrics["train/skipped_steps"] = skipped_steps
+                faults.record_step(w.rank, step, _rank_example_ids(global_batch, w.rank, w.world, opt.grad_accum,
+                                   opt.micro_batch_size), metrics["train/loss"], skipped, w.engine.module)
+                if skipped and w.rank == 0:
+                    log.warning("step %d: loss %s, gradient norm %s: update skipped (%d skipped so far)",
+                                step, metrics["train/loss"], metrics["train/grad_norm"], skipped_steps)
+                last = step >= w.total_steps
+                if step % cfg.eval.every_steps == 0 or last:
+                    val_loss = w.validate()
+                    if val_loss is not None:
+                        metrics["val/loss"] = val_loss
+                if step % cfg.tracking.log_every_steps == 0 or "val/loss" in metrics:
+                    tracker.log_metrics(metrics, step=step)
+                if w.rank == 0 and (step % cfg.tracking.log_every_steps == 0 or last):
+                    extra = f" val {val_loss:.4f}" if "val/loss" in metrics else ""
+                    log.info("step %d/%d loss %.4f%s lr %.2e grad %.3f %.0f tok/s/worker", step, w.total_steps,
+                             metrics["train/loss"], extra, metrics["train/lr"], metrics["train/grad_norm"],
+                             metrics["train/tokens_per_s_per_worker"])
+                if step % cfg.checkpoint.every_steps == 0 or last:
+                    run_state = RunState(step=step, epoch=epoch, batch_in_epoch=index + 1, world_size=w.world,
+                                         tag=step_tag(step), zero_stage=cfg.deepspeed.zero_stage,
+                                         tracking_run_id=inputs.tracking_run_id, skipped_steps=skipped_steps,
+                                         global_rows=global_rows, generation=generation)
+                    folder = save_rank_checkpoint(w.engine, run_state, w.rank, w.tokenizer)
+                    report = {"step": step, "train_loss": metrics["train/loss"], "skipped_steps": skipped_steps}
+                    if "val/loss" in metrics:  # only this step's: an older validation would mislead ASHA
+                        report["val_loss"] = val_loss
+                    ray.train.report(report, checkpoint=ray.train.Checkpoint.from_directory(folder),
+                                     checkpoint_dir_name=checkpoint_dir_name(step, generation),
+                                     checkpoint_upload_mode=upload,
+                                     delete_local_checkpoint_after_upload=True)
+                elif "val/loss" in metrics:
+                    # Every validation reaches the driver: Tune's ASHA (hymt tune) compares trials on it.
+                    # Every rank validated at this step, so every rank reports (report() is a barrier).
+                    ray.train.report({"step": step, "train_loss": metrics["train/loss"], "val_loss": val_loss})
+                if step >= w.total_steps:
+                    break
+            else:
+                epoch, skip = epoch + 1, 0
                 continue
-            faults.before_step(step + 1, w.rank)
-            with faults.nan_loss(w.engine.module, step + 1, w.rank):
-                metrics = w.train_step(global_batch)
-            step += 1
-            skipped = bool(metrics.pop("train/skipped"))
-            skipped_steps += skipped
-            metrics["train/skipped_steps"] = skipped_steps
-            faults.record_step(w.rank, step, _rank_example_ids(global_batch, w.rank, w.world, opt.grad_accum,
-                               opt.micro_batch_size), metrics["train/loss"], skipped, w.engine.module)
-            if skipped and w.rank == 0:
-                log.warning("step %d: loss %s, gradient norm %s: update skipped (%d skipped so far)",
-                            step, metrics["train/loss"], metrics["train/grad_norm"], skipped_steps)
-            last = step >= w.total_steps
-            if step % cfg.eval.every_steps == 0 or last:
-                val_loss = w.validate()
-                metrics["val/loss"] = val_loss
-            if step % cfg.tracking.log_every_steps == 0 or "val/loss" in metrics:
-                tracker.log_metrics(metrics, step=step)
-            if w.rank == 0 and (step % cfg.tracking.log_every_steps == 0 or last):
-                extra = f" val {val_loss:.4f}" if "val/loss" in metrics else ""
-                log.info("step %d/%d loss %.4f%s lr %.2e grad %.3f %.0f tok/s/worker", step, w.total_steps,
-                         metrics["train/loss"], extra, metrics["train/lr"], metrics["train/grad_norm"],
-                         metrics["train/tokens_per_s_per_worker"])
-            if step % cfg.checkpoint.every_steps == 0 or last:
-                run_state = RunState(step=step, epoch=epoch, batch_in_epoch=index + 1, world_size=w.world,
-                                     tag=step_tag(step), zero_stage=cfg.deepspeed.zero_stage,
-                                     tracking_run_id=inputs.tracking_run_id, skipped_steps=skipped_steps,
-                                     generation=generation)
-                folder = save_rank_checkpoint(w.engine, run_state, w.rank, w.tokenizer)
-                report = {"step": step, "train_loss": metrics["train/loss"], "skipped_steps": skipped_steps}
-                if val_loss is not None:
-                    report["val_loss"] = val_loss
-                ray.train.report(report, checkpoint=ray.train.Checkpoint.from_directory(folder),
-                                 checkpoint_dir_name=checkpoint_dir_name(step, generation),
-                                 checkpoint_upload_mode=upload,
-                                 delete_local_checkpoint_after_upload=True)
-            elif "val/loss" in metrics:
-                # Every validation reaches the driver: Tune's ASHA (hymt tune) compares trials on it.
-                # Every rank validated at this step, so every rank reports (report() is a barrier).
-                ray.train.report({"step": step, "train_loss": metrics["train/loss"], "val_loss": val_loss})
-            if step >= w.total_steps:
-                break
-        else:
-            epoch, skip = epoch + 1, 0
-            continue
-        break
-    tracker.close()
+            break
+    finally:
+        # Flush rank 0's queued metrics and close its files on every path, failures included.
+        tracker.close()

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
 
-from raytrain_hymt.config import Config, flatten, to_yaml
+from raytrain_hymt.config import Config, to_yaml
 
 log = logging.getLogger("raytrain_hymt")
 
@@ -89,7 +89,7 @@ def start_tracking(cfg: Config, run_dir: Path, parent_run_id: str | None = None)
     Returns ``(tracker, tracking_uri)``; ``(NullTracker, None)`` when tracking is off. ``parent_run_id``
     makes it a child run (a search's trial).
     """
-    from raytrain_hymt.tracking import make_tracker, redact, resolve_tracking_uri
+    from raytrain_hymt.tracking import make_tracker, resolve_tracking_uri
 
     if not cfg.tracking.enabled:
         return make_tracker(False), None
@@ -101,7 +101,7 @@ def start_tracking(cfg: Config, run_dir: Path, parent_run_id: str | None = None)
         parent_run_id=parent_run_id, retry_interval_s=cfg.tracking.retry_interval_s,
     )
     (run_dir / RUN_FILE).write_text(json.dumps({"mlflow_run_id": tracker.run_id, "tracking_uri": uri}))
-    tracker.log_params(redact(flatten(cfg.model_dump(mode="json"))))
+    tracker.log_params(cfg.model_dump(mode="json"))  # flattened and redacted by the tracker
     tracker.log_text(to_yaml(cfg), "config.yaml")
     return tracker, uri
 
@@ -147,8 +147,26 @@ def finished_summary(cfg: Config) -> TrainingSummary | None:
 
     if not cfg.run.name:
         return None
-    text = RunFolder(cfg.run.storage_path, cfg.run.name).read_text(SUMMARY_FILE)
+    text = RunFolder(cfg.run.storage_path, cfg.run.name, create=False).read_text(SUMMARY_FILE)
     return TrainingSummary(**json.loads(text)) if text else None
+
+
+def preflight(cfg: Config) -> None:
+    """Mistakes the config alone cannot see, caught on the driver before Ray starts or data is read."""
+    from raytrain_hymt.config import ConfigError
+    from raytrain_hymt.engine import build_ds_config
+    from raytrain_hymt.storage import is_uri
+
+    # A missing or contradicting deepspeed.config_file would otherwise fail on every worker, after the
+    # data pipeline ran, once per allowed restart.
+    build_ds_config(cfg, cfg.scaling.num_workers, cfg.scaling.use_gpu)
+    if is_uri(cfg.run.storage_path) and cfg.tracking.enabled and not (
+        cfg.tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    ):
+        raise ConfigError(
+            f"run.storage_root is {cfg.run.storage_root}: the embedded sqlite MLflow store needs a local folder; "
+            "set tracking.tracking_uri (or MLFLOW_TRACKING_URI) to an MLflow server, or tracking.enabled=false"
+        )
 
 
 def run_training(cfg: Config, *, datasets=None, callbacks=(), parent_run_id: str | None = None) -> TrainingSummary:
@@ -167,6 +185,7 @@ def run_training(cfg: Config, *, datasets=None, callbacks=(), parent_run_id: str
     from raytrain_hymt.storage import RunFolder
 
     started = time.time()
+    preflight(cfg)
     cfg.run.name = run_name(cfg)
     folder = RunFolder(cfg.run.storage_path, cfg.run.name)
     # On a URI storage root, run_dir is the driver's staging folder; the files that matter are pushed.

@@ -342,15 +342,17 @@ def run_search(cfg: Config) -> SearchResult:
     from ray import tune
 
     from raytrain_hymt.data.pipeline import build_datasets
-    from raytrain_hymt.trainer import init_ray, run_name, start_tracking
+    from raytrain_hymt.storage import is_uri
+    from raytrain_hymt.trainer import init_ray, preflight, run_name, start_tracking
 
     started = time.time()
     for point in grid_points(cfg):  # every trial's config is valid, before anything starts
         trial_config(cfg, point)
+    preflight(cfg)
+    if is_uri(cfg.run.storage_path):  # checked before Path() folds "s3://" into "s3:/"
+        raise NotImplementedError("searches need a local or shared-filesystem run.storage_root, not a URI")
     cfg.run.name = run_name(cfg)
     search_dir = Path(cfg.run.storage_path, cfg.run.name)
-    if "://" in str(search_dir):
-        raise NotImplementedError("object-store storage roots are not supported yet; use a shared filesystem path")
     search_dir.mkdir(parents=True, exist_ok=True)
     (search_dir / "config.yaml").write_text(to_yaml(cfg))
     init_ray(cfg)

@@ -1,6 +1,5 @@
 import dataclasses
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,8 +17,8 @@ from raytrain_hymt.data.cleaning import (
 )
 from raytrain_hymt.languages import UnsupportedLanguageError
 
-# CI clones the repository with shared/ beside it.
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+from conftest import SHARED_DATA  # noqa: E402 - ../shared/data, beside the clone in CI
+
 TATOEBA_ENG_ZHO = SHARED_DATA / "tatoeba" / "eng-zho.test.tsv"
 
 

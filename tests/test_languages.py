@@ -1,6 +1,5 @@
 import pickle
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
@@ -13,8 +12,8 @@ from raytrain_hymt.languages import (
     uses_chinese_template,
 )
 
-# CI clones the repository with shared/ beside it.
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+from conftest import SHARED_DATA  # noqa: E402 - ../shared/data, beside the clone in CI
+
 TATOEBA_ENG_ZHO = SHARED_DATA / "tatoeba" / "eng-zho.test.tsv"
 
 

@@ -96,7 +96,7 @@ def test_pack_examples_accepts_stacked_equal_length_rows():
 
 def test_pack_examples_rejects_too_long_example():
     batch = _batch([[1, 2], list(range(9))], [[-100, 2], [-100] * 9], [3, 7])
-    with pytest.raises(ValueError, match=r"example_id 7 has 9 tokens > max_tokens=6; the cleaning stage"):
+    with pytest.raises(ValueError, match=r"example_id 7 has 9 tokens > max_tokens=6; tokenization must drop"):
         pack_examples(batch, max_tokens=6)
 
 

@@ -140,13 +140,13 @@ def pack_examples(batch: dict[str, np.ndarray], max_tokens: int) -> dict[str, np
     Greedy next-fit in input order: a new row starts when the next example does not fit, so the result
     depends only on the batch (packs never span batches: ``map_batches``' ``batch_size`` sets how full
     the rows get). Output columns: see the module docstring. An example longer than ``max_tokens`` raises
-    ``ValueError``: the cleaning stage drops those, so reaching here is a bug upstream.
+    ``ValueError``: tokenization drops those (``too_many_tokens``), so reaching here is a bug upstream.
     """
     ids, labs, eids = _read_examples(batch)
     for tokens, eid in zip(ids, eids):
         if tokens.size > max_tokens:
             raise ValueError(
-                f"example_id {int(eid)} has {tokens.size} tokens > max_tokens={max_tokens}; the cleaning stage "
+                f"example_id {int(eid)} has {tokens.size} tokens > max_tokens={max_tokens}; tokenization "
                 "must drop examples longer than the pack size before packing"
             )
     return _build_rows(next_fit_groups([t.size for t in ids], max_tokens), ids, labs, eids)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from raytrain_hymt.config import Config, DataConfig
-from raytrain_hymt.data.cleaning import CleaningRules, check_bad_fraction, clean_batch, pair_key, split_key
+from raytrain_hymt.data.cleaning import CleaningRules, check_bad_fraction, clean_batch, format_sample, pair_key, split_key
 from raytrain_hymt.data.packing import IGNORE_INDEX, as_single_rows, pack_examples
 from raytrain_hymt.data.prompts import expand_directions
 from raytrain_hymt.data.readers import DataSourceError, read_source
@@ -219,7 +219,7 @@ def _project(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     # Every label that is not -100 is a target; a row's first label is always the prompt's first token.
     batch["num_targets"] = np.array([int((np.asarray(x) != IGNORE_INDEX).sum()) for x in batch["labels"]], dtype=np.int64)
     batch["sample"] = np.array(
-        [f"{o}: {r}: {str(s)[:100]!r}" if r in BAD_LINE_REASONS else "" for o, r, s in
+        [format_sample(o, r, str(s), width=100) if r in BAD_LINE_REASONS else "" for o, r, s in
          zip(batch["origin"], batch["drop_reason"], batch["src"])],
         dtype=object,
     )

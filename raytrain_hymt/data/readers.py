@@ -106,7 +106,21 @@ def open_binary(path: str) -> io.BufferedIOBase:
         raw: io.BufferedIOBase = io.BufferedReader(fs.open_input_stream(inner))
     else:
         raw = open(path, "rb")
-    return gzip.GzipFile(fileobj=raw) if path.endswith(".gz") else raw
+    return _ClosingGzip(raw) if path.endswith(".gz") else raw
+
+
+class _ClosingGzip(gzip.GzipFile):
+    """A GzipFile that also closes the stream it reads (``GzipFile(fileobj=...)`` leaves it open)."""
+
+    def __init__(self, raw):
+        super().__init__(fileobj=raw)
+        self._raw = raw
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self._raw.close()
 
 
 def open_random_access(path: str):
