@@ -181,7 +181,7 @@ def _source_of(files) -> dict[int, str]:
     out = {}
     for index, path in enumerate(files):
         for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-            out[example_id(index, f"{path}:{n}")] = normalize_text(line.split("\t")[2])
+            out[example_id(index, f"{path.resolve()}:{n}")] = normalize_text(line.split("\t")[2])
     return out
 
 
