@@ -369,6 +369,7 @@ def train_loop(loop_config: dict) -> None:
                      w.total_steps, w.per_epoch, w.world, global_rows,
                      f", resuming after step {step} (epoch {epoch}, skipping {skip} batches)" if state else "")
         val_loss = None
+        console_every = max(cfg.tracking.log_every_steps, w.total_steps // 10)
         while step < w.total_steps:
             batches = train.iter_batches(batch_size=global_rows, batch_format="numpy", drop_last=True, prefetch_batches=2)
             for index, global_batch in enumerate(batches):
@@ -393,7 +394,8 @@ def train_loop(loop_config: dict) -> None:
                         metrics["val/loss"] = val_loss
                 if step % cfg.tracking.log_every_steps == 0 or "val/loss" in metrics:
                     tracker.log_metrics(metrics, step=step)
-                if w.rank == 0 and (step % cfg.tracking.log_every_steps == 0 or last):
+                # The console gets about ten progress lines a run (MLflow gets every logged step).
+                if w.rank == 0 and (step == 1 or step % console_every == 0 or "val/loss" in metrics or last):
                     extra = f" val {val_loss:.4f}" if "val/loss" in metrics else ""
                     log.info("step %d/%d loss %.4f%s lr %.2e grad %.3f %.0f tok/s/worker", step, w.total_steps,
                              metrics["train/loss"], extra, metrics["train/lr"], metrics["train/grad_norm"],
