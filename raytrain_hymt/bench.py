@@ -189,7 +189,9 @@ def bench_loop(loop_config: dict, context=None, shard=None) -> None:
         m = w.train_step(global_batch)
         now = time.perf_counter()
         seconds = m["train/step_time_s"]
-        tokens = m["train/tokens_per_s_per_worker"] * seconds * w.world
+        # An integer count recovered from a rate: rounding removes the float error (1954.0000000000002)
+        # so that the same batches give the same count under both launchers.
+        tokens = round(m["train/tokens_per_s_per_worker"] * seconds * w.world)
         flops = (m.get("train/mfu") or 0.0) * seconds * w.world * (w.peak or 0.0)
         steps.append({"wall_s": now - last, "step_s": seconds, "tokens": tokens, "flops": flops,
                       "padded_tokens": _padded_tokens(w.cfg, global_batch), "loss": m["train/loss"]})

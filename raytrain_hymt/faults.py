@@ -92,7 +92,7 @@ def record_step(rank: int, step: int, example_ids: list[int], loss: float, skipp
 
     line = {"step": step, "example_ids": sorted(int(e) for e in example_ids), "loss": loss,
             "skipped": skipped, "weight_sum": weight_sum, "node": ray.get_runtime_context().get_node_id(),
-            "time": time.time()}
+            "pid": os.getpid(), "time": time.time()}
     Path(folder).mkdir(parents=True, exist_ok=True)
     # One open/write/close per line: a SIGKILL right after loses nothing already recorded.
     with open(Path(folder, f"rank{rank}.jsonl"), "a") as f:

@@ -28,10 +28,11 @@ def read_records(folder: Path, rank: int) -> list[dict]:
 
 
 def attempts(records: list[dict]) -> list[list[dict]]:
-    """Split a record into attempts: a new attempt starts where the step does not increase."""
+    """Split a record into attempts: a new attempt starts in a new worker process, or where the step does
+    not increase (a worker that resumes right after its last recorded step has a new process all the same)."""
     out: list[list[dict]] = []
     for r in records:
-        if not out or r["step"] <= out[-1][-1]["step"]:
+        if not out or r["step"] <= out[-1][-1]["step"] or r["pid"] != out[-1][-1]["pid"]:
             out.append([])
         out[-1].append(r)
     return out
