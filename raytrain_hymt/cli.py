@@ -67,6 +67,19 @@ def cmd_tune(args) -> int:
     return 0
 
 
+def cmd_evaluate(args) -> int:
+    """BLEU/chrF of a finished run's model (``--name``) or any model (``--model``) on a test set."""
+    from raytrain_hymt.evaluate import evaluate_run
+
+    overrides = [f"eval.test_set={args.test_set}"] if args.test_set else []
+    if args.directions:
+        overrides.append(f"eval.directions=[{', '.join(args.directions)}]")
+    args.overrides = list(args.overrides) + overrides  # the dedicated flags win over --set
+    result = evaluate_run(_load(args), model=args.model)
+    print("\n".join(result.lines()))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``hymt`` argument parser with every subcommand."""
     parser = argparse.ArgumentParser(prog="hymt", description="Fine-tune Hunyuan-MT with Ray Train + DeepSpeed")
@@ -82,6 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("checkpoint", help="a checkpoint_step* folder of a run")
     export.add_argument("out", help="output folder")
     export.set_defaults(func=cmd_export)
+    evaluate = sub.add_parser("evaluate", help="BLEU/chrF on a test set (e.g. FLORES-200 devtest)")
+    _config_args(evaluate)
+    evaluate.add_argument("--model", default=None,
+                          help="model folder or hub id to score (default: the exported model of run --name)")
+    evaluate.add_argument("--test-set", default=None, help="test-set folder (sets eval.test_set)")
+    evaluate.add_argument("--directions", nargs="+", default=None, metavar="SRC-TGT",
+                          help="directions to score (sets eval.directions), e.g. en-zh zh-en")
+    evaluate.set_defaults(func=cmd_evaluate)
     tune = sub.add_parser("tune", help="learning-rate search with Ray Tune")
     _config_args(tune)
     tune.set_defaults(func=cmd_tune)

@@ -264,10 +264,33 @@ class TrackingConfig(_Section):
 
 
 class EvalConfig(_Section):
-    """Validation during training."""
+    """Validation during training, and BLEU/chrF on a held-out test set after it."""
 
     every_steps: int = Field(50, ge=1)
     """Compute the validation loss every this many optimizer steps (and at the end)."""
+    test_set: str | None = None
+    """Folder of a multi-way test set, one line-aligned file per language named by its code (FLORES-200's
+    ``devtest/``: ``eng_Latn.devtest``, ``zho_Hans.devtest``...). When set, the exported model translates
+    it at the end of the run and BLEU/chrF go to MLflow (``hymt evaluate`` scores any model). None: off."""
+    directions: list[str] = Field(default_factory=lambda: ["en-zh", "zh-en"], min_length=1)
+    """Directions scored on ``test_set``, ``<source>-<target>`` with any language code (``zh-Hant-en``)."""
+    max_sentences: int | None = Field(None, ge=1)
+    """Translate only the first this many lines per direction (None: all; FLORES devtest has 1,012)."""
+    max_new_tokens: int = Field(256, ge=1)
+    """Longest translation generated, in tokens (greedy decoding stops earlier at the end-of-answer token)."""
+    batch_size: int = Field(16, ge=1)
+    """Sentences per ``generate`` call on each translating replica."""
+    workers: int | None = Field(None, ge=1)
+    """Model replicas translating in parallel (one GPU each with ``scaling.use_gpu``); None:
+    ``scaling.num_workers``."""
+
+    @model_validator(mode="after")
+    def _check(self) -> EvalConfig:
+        from raytrain_hymt.evaluate import parse_direction
+
+        for direction in self.directions:
+            parse_direction(direction)
+        return self
 
 
 class TuneConfig(_Section):
@@ -369,6 +392,8 @@ class Config(_Section):
                 "model.attn_implementation flex_attention cannot train on CPU (no CPU backward in torch); "
                 "use sdpa or eager, or set scaling.use_gpu: true"
             )
+        if self.eval.test_set and not self.run.export:
+            raise ValueError("eval.test_set scores the exported model: it needs run.export: true")
         for lever in ("fused_loss", "compile"):
             if getattr(self.model, lever) and not self.scaling.use_gpu:
                 raise ValueError(f"model.{lever} needs GPUs (scaling.use_gpu: true); its kernels are GPU-only")

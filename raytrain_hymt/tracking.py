@@ -305,6 +305,7 @@ class Tracker:
         tags: Mapping | None = None,
         retry_interval_s: float = 30.0,
         max_pending: int = 200_000,
+        new_measurements: bool = False,
     ):
         self.tracking_uri = tracking_uri
         self.experiment = experiment
@@ -312,6 +313,8 @@ class Tracker:
         self.local_dir = Path(local_dir)
         self.retry_interval_s = retry_interval_s
         self.max_pending = max_pending
+        # True: what is logged is measured anew (a re-evaluation), not a resumed job replaying its steps.
+        self.new_measurements = new_measurements
         self._lock = threading.RLock()  # a metrics callback thread may log next to the training loop
         self._client = None
         self._requested_run_id = run_id
@@ -356,12 +359,16 @@ class Tracker:
         parent_run_id: str | None = None,
         tags: Mapping | None = None,
         retry_interval_s: float = 30.0,
+        new_measurements: bool = False,
     ) -> Tracker | NullTracker:
         """Open (create, or resume when ``run_id`` is given) an MLflow run; a NullTracker if disabled.
 
-        The experiment is created if missing. An unreachable server is not an error: the run is created
-        (or resumed) once it answers. Misconfiguration (a bad experiment name, an unknown URI scheme)
-        raises here, at the start, rather than being discovered hours later.
+        A resumed run gets no metric at a step it already has (a restarted job repeats the steps since its
+        last checkpoint), unless ``new_measurements``: then every value is logged (re-scoring a finished
+        run adds the new scores at its last step). The experiment is created if missing. An unreachable
+        server is not an error: the run is created (or resumed) once it answers. Misconfiguration (a bad
+        experiment name, an unknown URI scheme) raises here, at the start, rather than being discovered
+        hours later.
         """
         if not enabled:
             return NullTracker()
@@ -376,6 +383,7 @@ class Tracker:
             parent_run_id=parent_run_id,
             tags=tags,
             retry_interval_s=retry_interval_s,
+            new_measurements=new_measurements,
         )
         with tracker._lock:
             tracker._sync(force=True, at_start=True)
@@ -641,7 +649,7 @@ class Tracker:
         metrics = getattr(run.data, "_metric_objs", None)
         if metrics is None:  # private attribute gone in some MLflow version: ask per key
             metrics = [m for key in run.data.metrics for m in client.get_metric_history(run_id, key)]
-        for metric in metrics:
+        for metric in [] if self.new_measurements else metrics:
             self._resume_steps[metric.key] = max(metric.step, self._resume_steps.get(metric.key, metric.step))
         if run.info.status != "RUNNING":
             client.update_run(run_id, status="RUNNING")

@@ -41,6 +41,8 @@ class TrainingSummary:
     tracking_uri: str | None
     mlflow_run_id: str | None
     mlflow_experiment: str | None
+    test_scores: dict | None = None
+    """``{"test_set": name, "scores": {direction: {"bleu", "chrf", ...}}}`` when ``eval.test_set`` was set."""
 
     def lines(self) -> list[str]:
         """What the user reads at the end of a run."""
@@ -49,6 +51,9 @@ class TrainingSummary:
             f"run {self.name}: {self.steps} steps in {self.wall_time_s:.0f} s, train loss {self.train_loss:.4f}{val}",
             f"  checkpoint:   {self.checkpoint}",
         ]
+        if self.test_scores:
+            scores = ", ".join(f"{d} {s['bleu']:.2f}/{s['chrf']:.2f}" for d, s in self.test_scores["scores"].items())
+            out.append(f"  BLEU/chrF:    {scores}  ({self.test_scores['test_set']})")
         if self.model_dir:
             out.append(f"  model:        {self.model_dir}  (AutoModelForCausalLM.from_pretrained loads it)")
         if self.mlflow_run_id:
@@ -65,22 +70,27 @@ def run_name(cfg: Config) -> str:
     return cfg.run.name or f"{cfg.preset}-{datetime.now():%Y%m%d-%H%M%S}"
 
 
-def init_ray(cfg: Config) -> None:
-    """Join the cluster in ``RAY_ADDRESS`` (e.g. under ``ray job submit``) or start a local Ray."""
+def init_ray(cfg: Config) -> bool:
+    """Join the cluster in ``RAY_ADDRESS`` (e.g. under ``ray job submit``) or start a local Ray.
+
+    Returns True when this call started a local Ray (no other node can ever join it), False when it
+    joined a cluster or Ray was already initialized.
+    """
     import ray
 
     from raytrain_hymt.quiet import quiet_ray
 
     quiet_ray()
     if ray.is_initialized():
-        return
+        return False
     if os.environ.get("RAY_ADDRESS"):
         ray.init(log_to_driver=True)
-        return
+        return False
     # 2 training workers plus the tokenizer actors need more logical CPUs than a 2-core machine has
     # (FACTS.md: on 2 logical CPUs the actors never start). Logical CPUs are only a scheduling count.
     want = cfg.scaling.local_num_cpus or max(4, os.cpu_count() or 1, int(cfg.scaling.num_workers * cfg.scaling.cpus_per_worker) + cfg.data.tokenize_actors)
     ray.init(address="local", num_cpus=want, include_dashboard=False, log_to_driver=True)
+    return True
 
 
 def start_tracking(cfg: Config, run_dir: Path, parent_run_id: str | None = None):
@@ -167,6 +177,11 @@ def preflight(cfg: Config) -> None:
             f"run.storage_root is {cfg.run.storage_root}: the embedded sqlite MLflow store needs a local folder; "
             "set tracking.tracking_uri (or MLFLOW_TRACKING_URI) to an MLflow server, or tracking.enabled=false"
         )
+    if cfg.eval.test_set:
+        from raytrain_hymt.evaluate import load_test_set, plan_rows
+
+        # A wrong folder or direction would otherwise surface after hours of training.
+        plan_rows(load_test_set(cfg.eval.test_set), cfg.eval.directions, cfg.eval.max_sentences)
 
 
 def run_training(cfg: Config, *, datasets=None, callbacks=(), parent_run_id: str | None = None) -> TrainingSummary:
@@ -181,6 +196,8 @@ def run_training(cfg: Config, *, datasets=None, callbacks=(), parent_run_id: str
     from raytrain_hymt.checkpoint import export_hf
     from raytrain_hymt.data.pipeline import build_datasets
     from raytrain_hymt.errors import budget_spent
+    from raytrain_hymt.evaluate import evaluate_model, log_result
+    from raytrain_hymt.resources import check_cluster_resources
 
     from raytrain_hymt.storage import RunFolder
 
@@ -191,7 +208,9 @@ def run_training(cfg: Config, *, datasets=None, callbacks=(), parent_run_id: str
     # On a URI storage root, run_dir is the driver's staging folder; the files that matter are pushed.
     run_dir = folder.local
     folder.write_text("config.yaml", to_yaml(cfg))
-    init_ray(cfg)
+    started_locally = init_ray(cfg)
+    if datasets is None:  # a search's trial: run_search checked the cluster once for all its trials
+        check_cluster_resources(cfg, started_locally)
     folder.pull(RUN_FILE)  # a re-submitted job continues the MLflow run of the first one
     tracker, uri = start_tracking(cfg, run_dir, parent_run_id=parent_run_id)
     if tracker.run_id:
@@ -219,11 +238,20 @@ def run_training(cfg: Config, *, datasets=None, callbacks=(), parent_run_id: str
                 if cfg.tracking.log_model:
                     tracker.log_artifact(run_dir / "model", "model")  # the local export, also on URI roots
         metrics = result.metrics or {}
+        steps = int(metrics.get("step", 0))
+        test_scores = None
+        if cfg.eval.test_set:
+            # The training workers are gone: the translating replicas get their GPUs.
+            test = evaluate_model(cfg, str(run_dir / "model"), run_dir / "eval")
+            log_result(tracker, test, steps)
+            folder.push("eval")
+            test_scores = {"test_set": test.test_set, "scores": test.scores}
         summary = TrainingSummary(
             name=cfg.run.name, run_dir=folder.uri, checkpoint=result.checkpoint.path, model_dir=model_dir,
-            steps=int(metrics.get("step", 0)), train_loss=float(metrics.get("train_loss", float("nan"))),
+            steps=steps, train_loss=float(metrics.get("train_loss", float("nan"))),
             val_loss=metrics.get("val_loss"), wall_time_s=time.time() - started, tracking_uri=uri,
             mlflow_run_id=tracker.run_id, mlflow_experiment=cfg.tracking.experiment if uri else None,
+            test_scores=test_scores,
         )
         tracker.finish("FINISHED")
     except BaseException:

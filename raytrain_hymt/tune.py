@@ -342,6 +342,7 @@ def run_search(cfg: Config) -> SearchResult:
     from ray import tune
 
     from raytrain_hymt.data.pipeline import build_datasets
+    from raytrain_hymt.resources import check_cluster_resources
     from raytrain_hymt.storage import is_uri
     from raytrain_hymt.trainer import init_ray, preflight, run_name, start_tracking
 
@@ -355,7 +356,9 @@ def run_search(cfg: Config) -> SearchResult:
     search_dir = Path(cfg.run.storage_path, cfg.run.name)
     search_dir.mkdir(parents=True, exist_ok=True)
     (search_dir / "config.yaml").write_text(to_yaml(cfg))
-    init_ray(cfg)
+    # One trial's worker group must fit before the datasets are built (its driver's CPUs are checked by
+    # max_concurrent_trials, which needs the cluster anyway).
+    check_cluster_resources(cfg, init_ray(cfg))
     tracker, uri = start_tracking(cfg, search_dir)
     try:
         train, val, stats = build_datasets(cfg)

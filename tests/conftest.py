@@ -50,3 +50,20 @@ def tiny_overrides(storage: Path, **extra: object) -> list[str]:
     }
     values.update(extra)
     return [f"{k}={v}" for k, v in values.items()]
+
+
+#: The end-of-run test set of ``finished_run``: FLORES-200 devtest, 4 sentences each way, short outputs.
+E2E_EVAL = {"eval.directions": "[en-zh, zh-en]", "eval.max_sentences": 4, "eval.max_new_tokens": 16}
+
+
+@pytest.fixture(scope="session")
+def finished_run(ray_session, shared_data, tmp_path_factory):
+    """One finished 20-step tiny run named ``e2e`` (checkpoints, MLflow, export, BLEU/chrF on FLORES),
+    shared by the end-to-end and evaluation tests: ``(storage root, TrainingSummary)``."""
+    from raytrain_hymt.config import load_config
+    from raytrain_hymt.trainer import run_training
+
+    storage = tmp_path_factory.mktemp("runs")
+    extra = {"run.name": "e2e", "eval.test_set": shared_data / "flores200" / "devtest", **E2E_EVAL}
+    summary = run_training(load_config(None, tiny_overrides(storage, **extra)))
+    return storage, summary

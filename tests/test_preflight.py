@@ -1,11 +1,16 @@
 """Mistakes caught before GPUs are spent or data is lost: export target, resume shape, driver preflight."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
+from conftest import REPO
 from raytrain_hymt.checkpoint import ResumeMismatchError, RunState, _check_export_target, check_same_shape
 from raytrain_hymt.config import ConfigError, load_config
+from raytrain_hymt.resources import resource_shortfall, worker_resources
 from raytrain_hymt.trainer import preflight
 
 
@@ -45,3 +50,71 @@ def test_preflight_needs_a_tracking_server_for_object_store_runs(monkeypatch):
     with pytest.raises(ConfigError, match="set tracking.tracking_uri"):
         preflight(load_config(None, ["run.storage_root=s3://bucket/runs"]))
     preflight(load_config(None, ["run.storage_root=s3://bucket/runs", "tracking.enabled=false"]))
+
+
+# --------------------------------------------------------------------------------------------------
+# Cluster resources: a shortfall on a local Ray fails before the data pipeline; a cluster only warns
+# --------------------------------------------------------------------------------------------------
+
+GPU_WORKER = {"CPU": 1.0, "GPU": 1.0}
+CPU_FIX = "lower scaling.num_workers or scaling.cpus_per_worker, or raise scaling.local_num_cpus"
+
+
+def test_gpu_workers_on_a_machine_without_gpus_name_the_fix():
+    assert resource_shortfall(GPU_WORKER, 2, {"CPU": 4.0}, [{"CPU": 4.0}]) == (
+        "scaling.use_gpu=true needs 2 GPUs (scaling.num_workers=2), this machine has 0 GPUs: use --set "
+        "scaling.use_gpu=false, a preset for CPU such as tiny-cpu, or run on a GPU machine / cluster (RAY_ADDRESS)"
+    )
+
+
+def test_a_cluster_short_of_gpus_is_waited_for():
+    assert resource_shortfall(GPU_WORKER, 4, {"CPU": 16.0, "GPU": 2.0}, [{"CPU": 16.0, "GPU": 2.0}], local=False) == (
+        "scaling.use_gpu=true needs 4 GPUs (scaling.num_workers=4), the cluster now has 2 GPUs; "
+        "the job will wait until the autoscaler adds nodes that have them"
+    )
+
+
+def test_too_few_cpus_name_the_workers_and_their_cpus():
+    assert resource_shortfall({"CPU": 4.0}, 3, {"CPU": 8.0}, [{"CPU": 8.0}]) == (
+        f"scaling.num_workers=3 x scaling.cpus_per_worker=4 needs 12 CPUs, this machine has 8 CPUs: {CPU_FIX}"
+    )
+
+
+def test_enough_in_total_but_no_node_big_enough_for_one_worker():
+    nodes = [{"CPU": 2.0, "GPU": 1.0}, {"CPU": 2.0, "GPU": 1.0}, {"CPU": 8.0}]
+    assert resource_shortfall({"CPU": 4.0, "GPU": 1.0}, 2, {"CPU": 12.0, "GPU": 2.0}, nodes, local=False) == (
+        "one training worker needs 4 CPUs and 1 GPU on a single node, no node of the cluster now has that "
+        "(nodes: 2 x 2 CPUs, 1 GPU; 8 CPUs, 0 GPUs); the job will wait until the autoscaler adds nodes that have them"
+    )
+
+
+def test_enough_everywhere_is_no_shortfall():
+    nodes = [{"CPU": 4.0, "GPU": 1.0}, {"CPU": 4.0, "GPU": 1.0}]
+    assert resource_shortfall({"CPU": 4.0, "GPU": 1.0}, 2, {"CPU": 8.0, "GPU": 2.0}, nodes) is None
+    # Fractional CPUs add up in floating point (0.1 * 3 > 0.3): still enough.
+    assert resource_shortfall({"CPU": 0.1}, 3, {"CPU": 0.3}, [{"CPU": 0.3}]) is None
+
+
+def test_worker_resources_follow_the_scaling_config():
+    assert worker_resources(load_config(None, ["scaling.cpus_per_worker=2"])) == {"CPU": 2.0}
+    assert worker_resources(load_config(None, ["scaling.use_gpu=true"])) == {"CPU": 1.0, "GPU": 1.0}
+
+
+@pytest.mark.integration
+def test_gpu_run_on_a_machine_without_gpus_fails_before_the_data_pipeline(tmp_path):
+    env = dict(os.environ)
+    env.pop("RAY_ADDRESS", None)
+    env["DS_ACCELERATOR"] = "cpu"
+    env["CUDA_VISIBLE_DEVICES"] = ""  # the point is a machine without GPUs, even where the test runs on one
+    run = subprocess.run(
+        [sys.executable, "jobs/train.py", "--name", "no-gpus", "--set", "scaling.use_gpu=true",
+         "--set", f"run.storage_root={tmp_path}", "--set", "optim.max_steps=2"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )
+    out = run.stdout + run.stderr
+    assert run.returncode == 2, out[-3000:]
+    assert ("error: scaling.use_gpu=true needs 2 GPUs (scaling.num_workers=2), this machine has 0 GPUs: "
+            "use --set scaling.use_gpu=false") in run.stderr
+    assert "data: read" not in out  # stats.summary(): the pipeline never ran
+    assert not list((tmp_path / "no-gpus").glob("checkpoint_*"))
+    assert not (tmp_path / "no-gpus" / "summary.json").exists()

@@ -1,5 +1,6 @@
 """The main job end to end on the embedded default: Ray Data → TorchTrainer(2 CPU workers, ZeRO-2) →
-checkpoint with every rank's shard → MLflow (sqlite at the storage root) → exported HF model."""
+checkpoint with every rank's shard → MLflow (sqlite at the storage root) → exported HF model.
+The run itself is conftest's ``finished_run`` (tests/test_evaluate.py checks its BLEU/chrF)."""
 
 from __future__ import annotations
 
@@ -9,20 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import tiny_overrides
 from raytrain_hymt.cli import main
-from raytrain_hymt.config import load_config
-from raytrain_hymt.trainer import run_training
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def finished_run(ray_session, tmp_path_factory):
-    storage = tmp_path_factory.mktemp("runs")
-    cfg = load_config(None, tiny_overrides(storage, **{"run.name": "e2e"}))
-    summary = run_training(cfg)
-    return storage, summary
 
 
 def test_checkpoint_holds_every_rank_shard(finished_run):

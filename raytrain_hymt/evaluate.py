@@ -1,0 +1,319 @@
+"""BLEU and chrF on a held-out multi-way test set (FLORES-200 style), translated with Ray Data.
+
+The test set is a folder of line-aligned files, one per language, named by any label
+:func:`~raytrain_hymt.languages.resolve` accepts (``eng_Latn.devtest``, ``zho_Hans.devtest``, ``de.txt``).
+Each direction ``src-tgt`` translates the ``src`` file's lines with the model card's prompt and greedy
+decoding, and scores them against the ``tgt`` file's lines with sacrebleu: BLEU (tokenized for the target
+language: ``zh`` for Chinese, characters for Japanese/Thai/Khmer/Burmese, ``13a`` otherwise) and chrF.
+
+Translation is batch inference on Ray Data: an actor pool of model replicas (one GPU each on GPU
+clusters), sentences sorted by length so each batch pads little. The planning and scoring functions are
+pure and run on the driver before any model is loaded, so a bad test set fails before GPUs are spent.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from raytrain_hymt.config import ConfigError, EvalConfig
+from raytrain_hymt.languages import is_supported, resolve
+
+log = logging.getLogger("raytrain_hymt")
+
+SCORES_FILE = "scores.json"
+
+# Target languages written without spaces between words: 13a would score whole sentences as one token.
+_BLEU_TOKENIZE = {"zh": "zh", "zh-Hant": "zh", "yue": "zh", "ja": "char", "th": "char", "km": "char", "my": "char"}
+
+
+def parse_direction(text: str) -> tuple[str, str]:
+    """``"en-zh"`` → ``("en", "zh")``; codes with a dash of their own work too (``"zh-Hant-en"``).
+
+    Raises ConfigError when no split (or more than one) gives two Hunyuan-MT languages.
+    """
+    parts = text.split("-")
+    splits = [("-".join(parts[:i]), "-".join(parts[i:])) for i in range(1, len(parts))]
+    valid = [(resolve(a).code, resolve(b).code) for a, b in splits if is_supported(a) and is_supported(b)]
+    if len(valid) != 1:
+        why = "is ambiguous" if valid else "does not name two Hunyuan-MT languages"
+        raise ConfigError(f"eval.directions: {text!r} {why}; write <source>-<target>, e.g. en-zh or zh-Hant-en")
+    return valid[0]
+
+
+def bleu_tokenizer(target_code: str) -> str:
+    """sacrebleu's ``tokenize`` for BLEU on ``target_code`` text (chrF needs none)."""
+    return _BLEU_TOKENIZE.get(target_code, "13a")
+
+
+@dataclass
+class TestSet:
+    """A multi-way test set: one file per language, the same number of lines in each."""
+
+    folder: str
+    files: dict[str, Path]
+    """Canonical language code → its file."""
+    lines: int
+
+    @property
+    def name(self) -> str:
+        """The folder's name (``devtest``), used in metric names and output folders."""
+        return Path(self.folder).name
+
+
+def read_lines(path: Path) -> list[str]:
+    """The file's lines without their line ends (one sentence per line)."""
+    return path.read_text(encoding="utf-8").splitlines()
+
+
+def load_test_set(folder: str) -> TestSet:
+    """Find the language files in ``folder`` and check they are line-aligned; ConfigError says what is wrong."""
+    root = Path(folder).expanduser().resolve()
+    if not root.is_dir():
+        raise ConfigError(f"eval.test_set: {folder} is not a folder (expected one file per language, "
+                          "e.g. FLORES-200's devtest/ with eng_Latn.devtest, zho_Hans.devtest)")
+    files: dict[str, Path] = {}
+    for path in sorted(root.iterdir()):
+        label = path.name.split(".")[0]
+        if not path.is_file() or path.name.startswith(".") or not is_supported(label):
+            continue  # README, SOURCE.md, LICENSE...
+        code = resolve(label).code
+        if code in files:
+            raise ConfigError(f"eval.test_set: {files[code].name} and {path.name} in {root} are both {code}")
+        files[code] = path
+    if not files:
+        raise ConfigError(f"eval.test_set: no file in {root} is named by a language (e.g. eng_Latn.devtest, en.txt)")
+    counts = {code: len(read_lines(path)) for code, path in files.items()}
+    if len(set(counts.values())) > 1:
+        listing = ", ".join(f"{files[c].name}: {n}" for c, n in counts.items())
+        raise ConfigError(f"eval.test_set: the files in {root} are not line-aligned ({listing} lines)")
+    return TestSet(folder=str(root), files=files, lines=next(iter(counts.values())))
+
+
+def plan_rows(test_set: TestSet, directions: list[str], max_sentences: int | None) -> list[dict]:
+    """One row per sentence to translate: ``{id, direction, index, src, ref, src_lang, tgt_lang}``.
+
+    Every requested language must have a file; ``max_sentences`` keeps the first lines of each direction.
+    """
+    rows: list[dict] = []
+    cache: dict[str, list[str]] = {}
+    for direction in directions:
+        src, tgt = parse_direction(direction)
+        missing = [c for c in (src, tgt) if c not in test_set.files]
+        if missing:
+            raise ConfigError(f"eval.directions: {direction} needs {' and '.join(missing)}, but {test_set.folder} "
+                              f"has only {', '.join(sorted(test_set.files))}")
+        for code in (src, tgt):
+            cache.setdefault(code, read_lines(test_set.files[code]))
+        n = min(test_set.lines, max_sentences or test_set.lines)
+        key, first = f"{src}-{tgt}", len(rows)
+        rows.extend({"id": first + i, "direction": key, "index": i, "src": cache[src][i], "ref": cache[tgt][i],
+                     "src_lang": src, "tgt_lang": tgt} for i in range(n))
+    return rows
+
+
+def score(hypotheses: list[str], references: list[str], target_code: str) -> dict:
+    """Corpus BLEU and chrF of one direction, with sacrebleu's signatures (what was measured, exactly)."""
+    import sacrebleu
+
+    bleu = sacrebleu.metrics.BLEU(tokenize=bleu_tokenizer(target_code))
+    chrf = sacrebleu.metrics.CHRF()
+    b = bleu.corpus_score(hypotheses, [references])
+    c = chrf.corpus_score(hypotheses, [references])
+    return {"bleu": b.score, "chrf": c.score, "sentences": len(hypotheses),
+            "bleu_signature": str(bleu.get_signature()), "chrf_signature": str(chrf.get_signature())}
+
+
+class Translator:
+    """Ray Data actor: one model replica translating batches of rows with greedy decoding."""
+
+    def __init__(self, model: str, precision: str, max_new_tokens: int, use_gpu: bool,
+                 trust_remote_code: bool = False):
+        import torch
+        from transformers import GenerationConfig
+
+        from raytrain_hymt.data.tokenize import answer_suffix
+        from raytrain_hymt.model import load_model, load_tokenizer
+
+        self.device = torch.device("cuda", 0) if use_gpu else torch.device("cpu")
+        self.tokenizer = load_tokenizer(model, trust_remote_code)
+        self.tokenizer.padding_side = "left"  # generation continues every row from its last prompt token
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
+        self.model = load_model(model, self.tokenizer, dtype=dtype, trust_remote_code=trust_remote_code,
+                                device=self.device).to(self.device).eval()
+        # The chat template's end-of-answer token (Hunyuan: <|eos|>) ends each translation.
+        stop = self.tokenizer.convert_tokens_to_ids(answer_suffix(self.tokenizer).strip())
+        stop_ids = sorted({stop, self.tokenizer.eos_token_id} - {None, self.tokenizer.unk_token_id})
+        # Greedy, whatever sampling defaults the model folder's generation_config.json carries (Hunyuan-MT's
+        # top_k/top_p/temperature): scores must not depend on a seed. Replacing the model's own config
+        # (rather than passing one per call) also keeps transformers from warning about the unused flags.
+        self.model.generation_config = GenerationConfig(
+            do_sample=False, num_beams=1, max_new_tokens=max_new_tokens, eos_token_id=stop_ids,
+            pad_token_id=self.tokenizer.pad_token_id)
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        import torch
+
+        from raytrain_hymt.data.prompts import build_prompt
+        from raytrain_hymt.data.tokenize import render_prompts
+
+        prompts = [build_prompt(str(s), str(a), str(b))
+                   for s, a, b in zip(batch["src"], batch["src_lang"], batch["tgt_lang"])]
+        enc = self.tokenizer(render_prompts(self.tokenizer, prompts), add_special_tokens=False, padding=True,
+                             return_tensors="pt").to(self.device)
+        with torch.no_grad():
+            out = self.model.generate(**enc)
+        new = out[:, enc["input_ids"].shape[1]:]
+        texts = self.tokenizer.batch_decode(new, skip_special_tokens=True)
+        result = dict(batch)
+        result["hyp"] = np.array([t.strip() for t in texts], dtype=object)
+        return result
+
+
+@dataclass
+class EvalResult:
+    """Scores per direction and where the translations were written."""
+
+    test_set: str
+    model: str
+    scores: dict[str, dict] = field(default_factory=dict)
+    out_dir: str | None = None
+
+    def metrics(self) -> dict[str, float]:
+        """MLflow metric names: ``test/<set>/<src>-<tgt>/bleu`` and ``.../chrf``."""
+        return {f"test/{self.test_set}/{d}/{k}": s[k] for d, s in self.scores.items() for k in ("bleu", "chrf")}
+
+    def lines(self) -> list[str]:
+        """A small table for the console."""
+        out = [f"test set {self.test_set}: {self.model}", "  direction  sentences   BLEU   chrF"]
+        out += [f"  {d:<9}  {s['sentences']:>9}  {s['bleu']:5.2f}  {s['chrf']:5.2f}" for d, s in self.scores.items()]
+        if self.out_dir:
+            out.append(f"  translations: {self.out_dir}")
+        return out
+
+
+def _no_restarts() -> dict:
+    # A failed replica fails the evaluation loudly; with restarts allowed Ray also logs an error line per
+    # replica about its constructor arguments. Ray 2.60 has no named parameter for this yet (the remote-args
+    # hook is deprecated for 2.64, hence the warning filter where it is passed).
+    return {"max_restarts": 0}
+
+
+def translate(rows: list[dict], cfg, model: str) -> list[str]:
+    """Hypotheses for ``rows`` (in their order), from a Ray Data actor pool of ``cfg.eval.workers`` replicas.
+
+    Needs a running Ray. On GPU clusters each replica holds one GPU; on CPU one logical CPU.
+    """
+    import ray.data
+
+    e = cfg.eval
+    workers = e.workers or cfg.scaling.num_workers
+    # Longest first, so similar lengths share a batch (little padding) and the slowest batches start early.
+    ordered = sorted(rows, key=lambda r: -len(r["src"]))
+    ds = ray.data.from_items([{k: r[k] for k in ("id", "src", "src_lang", "tgt_lang")} for r in ordered])
+    gpu = cfg.scaling.use_gpu
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*ray_remote_args_fn.*")
+        out = ds.map_batches(
+            Translator,
+            fn_constructor_kwargs=dict(model=model, precision=cfg.deepspeed.precision,
+                                       max_new_tokens=e.max_new_tokens, use_gpu=gpu,
+                                       trust_remote_code=cfg.model.trust_remote_code),
+            batch_size=e.batch_size, batch_format="numpy", compute=ray.data.ActorPoolStrategy(size=workers),
+            num_gpus=1 if gpu else 0, num_cpus=1,
+            ray_remote_args_fn=_no_restarts,
+        )
+    by_id = {int(r["id"]): str(r["hyp"]) for r in out.iter_rows()}
+    return [by_id[r["id"]] for r in rows]
+
+
+def evaluate_model(cfg, model: str, eval_root: Path | None = None) -> EvalResult:
+    """Translate ``cfg.eval.test_set`` with ``model`` (folder, hub id or ``tiny``) and score every direction.
+
+    With ``eval_root``, writes ``<eval_root>/<test set>/<src>-<tgt>.hyp`` (one translation per line, in
+    the test set's order) and ``scores.json`` there.
+    """
+    e: EvalConfig = cfg.eval
+    test_set = load_test_set(e.test_set)
+    out_dir = eval_root / test_set.name if eval_root is not None else None
+    rows = plan_rows(test_set, e.directions, e.max_sentences)
+    hyps = translate(rows, cfg, model)
+    result = EvalResult(test_set=test_set.name, model=model)
+    for direction in dict.fromkeys(r["direction"] for r in rows):
+        picked = [(h, r) for h, r in zip(hyps, rows) if r["direction"] == direction]
+        result.scores[direction] = score([h for h, _ in picked], [r["ref"] for _, r in picked], picked[0][1]["tgt_lang"])
+        if out_dir is not None:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / f"{direction}.hyp").write_text("".join(h.replace("\n", " ") + "\n" for h, _ in picked),
+                                                     encoding="utf-8")
+    if out_dir is not None:
+        (out_dir / SCORES_FILE).write_text(json.dumps({"test_set": test_set.folder, "model": model,
+                                                       "scores": result.scores}, indent=1, ensure_ascii=False))
+        result.out_dir = str(out_dir)
+    return result
+
+
+def log_result(tracker, result: EvalResult, step: int) -> None:
+    """Scores as MLflow metrics at ``step`` (the run's last step), the translations as artifacts."""
+    tracker.log_metrics(result.metrics(), step=step)
+    if result.out_dir:
+        tracker.log_artifact(result.out_dir, f"eval/{result.test_set}")
+
+
+def evaluate_run(cfg, model: str | None = None) -> EvalResult:
+    """``hymt evaluate``: score a finished run's exported model, or any ``model``, on ``cfg.eval.test_set``.
+
+    Without ``model``, ``cfg.run.name`` names a run under ``run.storage_root``: its ``model/`` is
+    translated, the scores join the run's own MLflow run at its last step, and the translations go to
+    ``<run>/eval/<test set>/``. With ``model`` (a folder or hub id, e.g. the base Hunyuan-MT-7B for a
+    baseline), a run named ``cfg.run.name`` or ``eval-<model folder name>`` holds them, with its own
+    MLflow run, so baseline and fine-tuned scores sit side by side in MLflow.
+    """
+    from raytrain_hymt.storage import RunFolder, is_uri
+    from raytrain_hymt.tracking import make_tracker
+    from raytrain_hymt.trainer import RUN_FILE, SUMMARY_FILE, init_ray, start_tracking
+
+    if not cfg.eval.test_set:
+        raise ConfigError("eval.test_set is not set: name a test-set folder (--test-set or --set eval.test_set=DIR)")
+    test_set = load_test_set(cfg.eval.test_set)
+    plan_rows(test_set, cfg.eval.directions, cfg.eval.max_sentences)  # every mistake before a model loads
+    if model is None:
+        if not cfg.run.name:
+            raise ConfigError("hymt evaluate needs --name RUN (a finished run) or --model PATH")
+        if is_uri(cfg.run.storage_path):
+            raise ConfigError(f"run.storage_root {cfg.run.storage_root} is remote: copy the run's model/ folder "
+                              "here and pass it with --model")
+        folder = RunFolder(cfg.run.storage_path, cfg.run.name, create=False)
+        summary = json.loads(folder.read_text(SUMMARY_FILE) or "null")
+        if summary is None or not summary.get("model_dir"):
+            raise ConfigError(f"{folder.uri} holds no finished run with an exported model/ "
+                              "(train it to the end with run.export: true, or pass --model)")
+        init_ray(cfg)
+        result = evaluate_model(cfg, summary["model_dir"], folder.local / "eval")
+        saved = json.loads(folder.read_text(RUN_FILE) or "{}")
+        tracker = make_tracker(cfg.tracking.enabled and bool(saved.get("mlflow_run_id")),
+                               tracking_uri=saved.get("tracking_uri"), experiment=cfg.tracking.experiment,
+                               run_name=cfg.run.name, run_id=saved.get("mlflow_run_id"), local_dir=folder.local,
+                               retry_interval_s=cfg.tracking.retry_interval_s, new_measurements=True)
+        step = int(summary.get("steps", 0))
+    else:
+        cfg.run.name = cfg.run.name or f"eval-{Path(model.rstrip('/')).name}"
+        folder = RunFolder(cfg.run.storage_path, cfg.run.name)
+        init_ray(cfg)
+        tracker, _ = start_tracking(cfg, folder.local)
+        tracker.set_tags({"evaluated_model": model})
+        result = evaluate_model(cfg, model, folder.local / "eval")
+        folder.push("eval")
+        step = 0
+    try:
+        log_result(tracker, result, step)
+        tracker.finish("FINISHED")
+    except BaseException:
+        tracker.finish("FAILED")
+        raise
+    return result

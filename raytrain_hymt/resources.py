@@ -1,0 +1,95 @@
+"""Fail fast when the Ray cluster can never start the training workers a config asks for.
+
+Ray Train waits for resources without end: a GPU preset on a machine without GPUs would run the whole
+data pipeline and then hang. The decision is a pure function of plain dicts (``resource_shortfall``);
+``check_cluster_resources`` feeds it what Ray reports.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from raytrain_hymt.config import Config, ConfigError
+
+log = logging.getLogger("raytrain_hymt")
+
+
+def worker_resources(cfg: Config) -> dict[str, float]:
+    """Logical resources one training worker reserves (as ``_trainer``'s ScalingConfig asks for them)."""
+    need = {"CPU": float(cfg.scaling.cpus_per_worker)}
+    if cfg.scaling.use_gpu:
+        need["GPU"] = 1.0
+    return need
+
+
+def _amount(value: float, name: str) -> str:
+    return f"{value:g} {name}{'' if value == 1 or name not in ('CPU', 'GPU') else 's'}"
+
+
+def _fits(have: dict, need: dict) -> bool:
+    # Ray reports resources as floats (fractional CPUs); the tolerance keeps 0.1 * 3 from missing 0.3.
+    return all(have.get(name, 0.0) + 1e-9 >= amount for name, amount in need.items())
+
+
+def resource_shortfall(need_per_worker: dict, workers: int, total: dict, per_node: list[dict],
+                       *, local: bool = True) -> str | None:
+    """What the Ray cluster lacks to start ``workers`` training workers, as a message; None if nothing.
+
+    ``need_per_worker``: :func:`worker_resources`; ``total``: ``ray.cluster_resources()``; ``per_node``:
+    the ``Resources`` of each alive node in ``ray.nodes()``. ``local``: Ray was started by this job on
+    this machine, so the message names the fix; otherwise (a cluster, whose autoscaler may add nodes) it
+    says the job will wait.
+    """
+    need = {name: amount for name, amount in need_per_worker.items() if amount > 0}
+    where = "this machine has" if local else "the cluster now has"
+    problems = []
+    for name, amount in need.items():
+        want, have = amount * workers, total.get(name, 0.0)
+        if have + 1e-9 >= want:
+            continue
+        if name == "GPU":
+            what = f"scaling.use_gpu=true needs {_amount(want, name)} (scaling.num_workers={workers})"
+            fix = ("use --set scaling.use_gpu=false, a preset for CPU such as tiny-cpu, "
+                   "or run on a GPU machine / cluster (RAY_ADDRESS)")
+        elif name == "CPU":
+            what = (f"scaling.num_workers={workers} x scaling.cpus_per_worker={amount:g} needs "
+                    f"{_amount(want, name)}")
+            fix = "lower scaling.num_workers or scaling.cpus_per_worker, or raise scaling.local_num_cpus"
+        else:
+            what = f"{workers} workers need {_amount(want, name)}"
+            fix = "lower scaling.num_workers"
+        problems.append(f"{what}, {where} {_amount(have, name)}" + (f": {fix}" if local else ""))
+    if not problems and not any(_fits(node, need) for node in per_node):
+        # Ray places a worker on one node: enough in total is not enough when every node is too small.
+        one = " and ".join(_amount(amount, name) for name, amount in need.items())
+        shapes: dict[str, int] = {}
+        for node in per_node:
+            shape = ", ".join(_amount(node.get(name, 0.0), name) for name in need)
+            shapes[shape] = shapes.get(shape, 0) + 1
+        nodes = "; ".join(f"{count} x {shape}" if count > 1 else shape for shape, count in shapes.items())
+        place = "of this machine's Ray" if local else "of the cluster now"
+        what = f"one training worker needs {one} on a single node, no node {place} has that (nodes: {nodes})"
+        problems.append(what + (": lower scaling.cpus_per_worker or run on bigger nodes" if local else ""))
+    if not problems:
+        return None
+    if local:
+        return "; ".join(problems)
+    return "; ".join(problems) + "; the job will wait until the autoscaler adds nodes that have them"
+
+
+def check_cluster_resources(cfg: Config, started_locally: bool) -> None:
+    """Fail fast when Ray can never start the training workers ``cfg`` asks for.
+
+    On a local Ray this job started (``started_locally``: no node can join later) a shortfall raises
+    ``ConfigError`` naming the fix; on a cluster it logs a warning, since an autoscaler may add nodes.
+    """
+    import ray
+
+    per_node = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
+    message = resource_shortfall(worker_resources(cfg), cfg.scaling.num_workers, ray.cluster_resources(),
+                                 per_node, local=started_locally)
+    if message is None:
+        return
+    if started_locally:
+        raise ConfigError(message)
+    log.warning("%s", message)
