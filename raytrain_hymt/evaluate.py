@@ -135,11 +135,13 @@ class Translator:
     def __init__(self, model: str, precision: str, max_new_tokens: int, use_gpu: bool,
                  trust_remote_code: bool = False):
         import torch
+        import transformers
         from transformers import GenerationConfig
 
         from raytrain_hymt.data.tokenize import answer_suffix
         from raytrain_hymt.model import load_model, load_tokenizer
 
+        transformers.utils.logging.disable_progress_bar()  # one bar per replica would clutter the job's log
         self.device = torch.device("cuda", 0) if use_gpu else torch.device("cpu")
         self.tokenizer = load_tokenizer(model, trust_remote_code)
         self.tokenizer.padding_side = "left"  # generation continues every row from its last prompt token
