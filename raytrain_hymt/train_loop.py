@@ -165,6 +165,7 @@ class Worker:
         mc = model.config
         self.shape = (matmul_params(model), mc.num_hidden_layers, mc.num_attention_heads,
                       getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads)
+        self.trainable_matmul_params = matmul_params(model, trainable_only=True)  # LoRA: the adapters only
         self.peak = peak_flops(torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None)
         self.mask_dtype = dtype if self.device.type == "cuda" else torch.float32
         # DeepSpeed's ZeRO and bf16/fp16 optimizers discard a step with a non-finite gradient norm; plain
@@ -246,7 +247,8 @@ class Worker:
         local_targets = float(sum(int(m["num_target_tokens"]) for m in micro))
         local_tokens = float(sum(int(s.sum()) for m in micro for s in m["seq_lens"]))
         # FLOPs are linear in the documents, so the global count is the sum of every rank's own.
-        local_flops = step_flops(*self.shape, (int(n) for m in micro for s in m["seq_lens"] for n in s))
+        local_flops = step_flops(*self.shape, (int(n) for m in micro for s in m["seq_lens"] for n in s),
+                                 trainable_params=self.trainable_matmul_params)
         global_targets, global_tokens, flops = _all_reduce_sum([local_targets, local_tokens, local_flops], self.device)
         scale = self.world / max(global_targets, 1.0)
         lr = self.engine.get_lr()[0]  # the rate this step applies (the scheduler moves on inside step())

@@ -93,6 +93,8 @@ def test_lr_warmup_then_cosine_linear_constant():
 def test_step_flops_and_mfu_by_hand():
     # 6·N·tokens + 12·L·H·Q·ΣT²: N=100, L=2, H=4, Q=8, documents of 3 and 5 tokens
     assert step_flops(100, 2, 4, 8, [3, 5]) == 6 * 100 * 8 + 12 * 2 * 4 * 8 * (9 + 25) == 30912
+    # LoRA: 10 of the 100 get weight gradients: 4·N + 2·T per token, attention unchanged
+    assert step_flops(100, 2, 4, 8, [3, 5], trainable_params=10) == (400 + 20) * 8 + 12 * 2 * 4 * 8 * 34 == 29472
     # 30912 FLOPs in 2 s on 2 devices of 10^4 FLOP/s
     assert mfu(30912, 2.0, 2, 1e4) == pytest.approx(30912 / 4e4)
     assert mfu(30912, 2.0, 2, None) is None
@@ -144,6 +146,10 @@ def test_lora_wraps_hunyuan_attention_and_freezes_the_base():
     q = peft_model.base_model.model.model.layers[0].self_attn.q_proj
     assert q.lora_A["default"].weight.shape == (4, 128) and q.lora_B["default"].weight.shape == (128, 4)
     assert q.scaling["default"] == 2.0
+    # FLOPs: only the adapters get weight gradients (A: 4 × in, B: out × 4 for q,k,v,o in 4 layers)
+    per_layer = 4 * (128 + 128) + 4 * (128 + 64) + 4 * (128 + 64) + 4 * (128 + 128)
+    assert matmul_params(peft_model, trainable_only=True) == 4 * per_layer == 14_336
+    assert matmul_params(peft_model) == 1_303_936 + 14_336
 
 
 def test_lora_unknown_target_lists_the_linear_layers():
