@@ -150,10 +150,9 @@ def main(argv=None) -> int:
     rows = [measure(n, args.gpu, precision, args.zero_stage, tokens, args.tied) for n in (args.layers or [None])]
     if args.layers and len(args.layers) >= 2:
         rows.append(extrapolate(rows, args.target_layers))
-    lines = [json.dumps(r) for r in rows]
-    print("\n".join(lines))
-    if args.out:
-        Path(args.out).write_text("\n".join(lines) + "\n")
+    from raytrain_hymt.bench import print_json_lines
+
+    print_json_lines(rows, args.out)
     return 0
 
 

@@ -72,6 +72,14 @@ class Case:
     torchrun: bool = False
 
 
+def print_json_lines(rows: list[dict], out: str | None = None) -> None:
+    """Print one JSON line per row (a benchmark's results), and write them to ``out`` too when given."""
+    lines = [json.dumps(r) for r in rows]
+    print("\n".join(lines))
+    if out:
+        Path(out).write_text("\n".join(lines) + "\n")
+
+
 def parse_case(spec: str) -> Case:
     """``NAME`` (one of :data:`CASES`), ``NAME:a.b=v,c.d=w`` (a new case), either with ``@torchrun``."""
     torchrun = spec.endswith(TORCHRUN_SUFFIX)

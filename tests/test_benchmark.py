@@ -145,3 +145,15 @@ def test_benchmark_cli_rejects_unknown_case(capsys):
         sys.path.remove(str(REPO / "jobs"))
     with pytest.raises(ValueError, match="unknown case 'bogus'"):
         benchmark.main(["--cpu", "--shape", "tiny", "--case", "bogus"])
+
+
+def test_zero3_load_benchmark_measures_both_ways(tmp_path):
+    """jobs/bench_zero3_load.py's measurement on the tiny model: two real gloo ranks per way of loading."""
+    from raytrain_hymt.bench_load import measure
+
+    rows = measure(None, 2, False, str(tmp_path))
+    assert sorted((r["partitioned_load"], r["rank"]) for r in rows) == [(False, 0), (False, 1), (True, 0), (True, 1)]
+    for r in rows:
+        assert r["params"] == 1_820_032 and r["world"] == 2 and r["gpu_gib"] is None
+        assert 0 < r["peak_private_gib_load"] <= r["peak_rss_gib_after_load"] <= r["peak_rss_gib_after_engine"]
+    assert not list(tmp_path.iterdir())  # the model folder is temporary
