@@ -281,8 +281,8 @@ class EvalConfig(_Section):
     batch_size: int = Field(16, ge=1)
     """Sentences per ``generate`` call on each translating replica."""
     workers: int | None = Field(None, ge=1)
-    """Model replicas translating in parallel (one GPU each with ``scaling.use_gpu``); None:
-    ``scaling.num_workers``."""
+    """Model replicas translating in parallel (one GPU each with ``scaling.use_gpu``; never more than
+    there are batches); None: ``scaling.num_workers``."""
 
     @model_validator(mode="after")
     def _check(self) -> EvalConfig:

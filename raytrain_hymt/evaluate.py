@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -129,11 +130,33 @@ def score(hypotheses: list[str], references: list[str], target_code: str) -> dic
             "bleu_signature": str(bleu.get_signature()), "chrf_signature": str(chrf.get_signature())}
 
 
+#: Prefix of the local copies replicas make of a model given as a URI (``<tempdir>/<prefix><token>-*``).
+COPY_PREFIX = "hymt-eval-model-"
+
+
+def local_model_path(model: str, token: str = "") -> str:
+    """``model`` itself, or for a URI (``s3://``, ``gs://``, ``file://``) a local copy of that folder: a
+    replica may run on any node, and only a shared path, a hub id or a URI reaches every node. ``token``
+    names the evaluation the copy belongs to (its driver removes what its replicas leave on its node)."""
+    from raytrain_hymt.storage import is_uri
+
+    if not is_uri(model):
+        return model
+    import tempfile
+
+    import pyarrow.fs
+
+    fs, path = pyarrow.fs.FileSystem.from_uri(model)
+    local = tempfile.mkdtemp(prefix=f"{COPY_PREFIX}{token}-")
+    pyarrow.fs.copy_files(path, local, source_filesystem=fs, destination_filesystem=pyarrow.fs.LocalFileSystem())
+    return local
+
+
 class Translator:
     """Ray Data actor: one model replica translating batches of rows with greedy decoding."""
 
     def __init__(self, model: str, precision: str, max_new_tokens: int, use_gpu: bool,
-                 trust_remote_code: bool = False):
+                 trust_remote_code: bool = False, copy_token: str = ""):
         import torch
         import transformers
         from transformers import GenerationConfig
@@ -143,11 +166,15 @@ class Translator:
 
         transformers.utils.logging.disable_progress_bar()  # one bar per replica would clutter the job's log
         self.device = torch.device("cuda", 0) if use_gpu else torch.device("cpu")
-        self.tokenizer = load_tokenizer(model, trust_remote_code)
+        local = local_model_path(model, copy_token)
+        self.tokenizer = load_tokenizer(local, trust_remote_code)
         self.tokenizer.padding_side = "left"  # generation continues every row from its last prompt token
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
-        self.model = load_model(model, self.tokenizer, dtype=dtype, trust_remote_code=trust_remote_code,
+        self.model = load_model(local, self.tokenizer, dtype=dtype, trust_remote_code=trust_remote_code,
                                 device=self.device).to(self.device).eval()
+        if local != model:
+            # Loaded (a memory-mapped file stays readable after its unlink): free the disk (16 GB at 7B).
+            shutil.rmtree(local, ignore_errors=True)
         # The chat template's end-of-answer token (Hunyuan: <|eos|>) ends each translation.
         stop = self.tokenizer.convert_tokens_to_ids(answer_suffix(self.tokenizer).strip())
         stop_ids = sorted({stop, self.tokenizer.eos_token_id} - {None, self.tokenizer.unk_token_id})
@@ -211,10 +238,17 @@ def translate(rows: list[dict], cfg, model: str) -> list[str]:
 
     Needs a running Ray. On GPU clusters each replica holds one GPU; on CPU one logical CPU.
     """
+    import glob
+    import tempfile
+    import uuid
+
     import ray.data
 
     e = cfg.eval
-    workers = e.workers or cfg.scaling.num_workers
+    # No more replicas than batches: each loads the whole model, and one still loading when the work is
+    # done would be killed for nothing.
+    workers = min(e.workers or cfg.scaling.num_workers, -(-len(rows) // e.batch_size))
+    token = uuid.uuid4().hex[:12]
     # Longest first, so similar lengths share a batch (little padding) and the slowest batches start early.
     ordered = sorted(rows, key=lambda r: -len(r["src"]))
     ds = ray.data.from_items([{k: r[k] for k in ("id", "src", "src_lang", "tgt_lang")} for r in ordered])
@@ -225,12 +259,17 @@ def translate(rows: list[dict], cfg, model: str) -> list[str]:
             Translator,
             fn_constructor_kwargs=dict(model=model, precision=cfg.deepspeed.precision,
                                        max_new_tokens=e.max_new_tokens, use_gpu=gpu,
-                                       trust_remote_code=cfg.model.trust_remote_code),
+                                       trust_remote_code=cfg.model.trust_remote_code, copy_token=token),
             batch_size=e.batch_size, batch_format="numpy", compute=ray.data.ActorPoolStrategy(size=workers),
             num_gpus=1 if gpu else 0, num_cpus=1,
             ray_remote_args_fn=_no_restarts,
         )
-    by_id = {int(r["id"]): str(r["hyp"]) for r in out.iter_rows()}
+    try:
+        by_id = {int(r["id"]): str(r["hyp"]) for r in out.iter_rows()}
+    finally:
+        # A replica removes its copy once loaded; one that failed or was stopped while loading cannot.
+        for leftover in glob.glob(f"{tempfile.gettempdir()}/{COPY_PREFIX}{token}-*"):
+            shutil.rmtree(leftover, ignore_errors=True)
     return [by_id[r["id"]] for r in rows]
 
 
@@ -276,7 +315,7 @@ def evaluate_run(cfg, model: str | None = None) -> EvalResult:
     baseline), a run named ``cfg.run.name`` or ``eval-<model folder name>`` holds them, with its own
     MLflow run, so baseline and fine-tuned scores sit side by side in MLflow.
     """
-    from raytrain_hymt.storage import RunFolder, is_uri
+    from raytrain_hymt.storage import RunFolder
     from raytrain_hymt.tracking import make_tracker
     from raytrain_hymt.trainer import RUN_FILE, SUMMARY_FILE, init_ray, start_tracking
 
@@ -287,9 +326,6 @@ def evaluate_run(cfg, model: str | None = None) -> EvalResult:
     if model is None:
         if not cfg.run.name:
             raise ConfigError("hymt evaluate needs --name RUN (a finished run) or --model PATH")
-        if is_uri(cfg.run.storage_path):
-            raise ConfigError(f"run.storage_root {cfg.run.storage_root} is remote: copy the run's model/ folder "
-                              "here and pass it with --model")
         folder = RunFolder(cfg.run.storage_path, cfg.run.name, create=False)
         summary = json.loads(folder.read_text(SUMMARY_FILE) or "null")
         if summary is None or not summary.get("model_dir"):
@@ -297,6 +333,7 @@ def evaluate_run(cfg, model: str | None = None) -> EvalResult:
                               "(train it to the end with run.export: true, or pass --model)")
         init_ray(cfg)
         result = evaluate_model(cfg, summary["model_dir"], folder.local / "eval")
+        folder.push("eval")
         saved = json.loads(folder.read_text(RUN_FILE) or "{}")
         tracker = make_tracker(cfg.tracking.enabled and bool(saved.get("mlflow_run_id")),
                                tracking_uri=saved.get("tracking_uri"), experiment=cfg.tracking.experiment,

@@ -242,7 +242,8 @@ def run_training(cfg: Config, *, datasets=None, callbacks=(), parent_run_id: str
         test_scores = None
         if cfg.eval.test_set:
             # The training workers are gone: the translating replicas get their GPUs.
-            test = evaluate_model(cfg, str(run_dir / "model"), run_dir / "eval")
+            # model_dir, not the driver's local copy: replicas may run on other nodes (a URI reaches them).
+            test = evaluate_model(cfg, model_dir, run_dir / "eval")
             log_result(tracker, test, steps)
             folder.push("eval")
             test_scores = {"test_set": test.test_set, "scores": test.scores}

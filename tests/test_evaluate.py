@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -141,13 +142,17 @@ def test_hymt_evaluate_scores_a_run_and_any_model_folder_alike(finished_run, sha
     history = client.get_metric_history(summary.mlflow_run_id, "test/devtest/en-zh/bleu")
     assert [m.step for m in history] == [20, 20] and history[0].value == history[1].value
 
-    # The same weights as "any model folder": a run of its own, the same scores at step 0.
-    assert main(["evaluate", "--model", summary.model_dir, "--name", "baseline", *common]) == 0
+    # The same weights as "any model", given as a URI (what reaches replicas on every node of a cluster):
+    # a run of its own, the same scores at step 0, and each replica's local copy deleted once loaded.
+    uri = f"file://{summary.model_dir}"
+    copies = set(Path(tempfile.gettempdir()).glob("hymt-eval-model-*"))
+    assert main(["evaluate", "--model", uri, "--name", "baseline", *common]) == 0
+    assert set(Path(tempfile.gettempdir()).glob("hymt-eval-model-*")) == copies
     baseline = json.loads((storage / "baseline" / "eval" / "devtest" / "scores.json").read_text())
     assert baseline["scores"] == summary.test_scores["scores"]
     run_id = json.loads((storage / "baseline" / "run.json").read_text())["mlflow_run_id"]
     run = client.get_run(run_id)
-    assert run.info.run_name == "baseline" and run.data.tags["evaluated_model"] == summary.model_dir
+    assert run.info.run_name == "baseline" and run.data.tags["evaluated_model"] == uri
     assert run.data.metrics["test/devtest/zh-en/bleu"] == pytest.approx(summary.test_scores["scores"]["zh-en"]["bleu"])
 
     # A direction the test set cannot serve: exit 2 with the reason, before any model is loaded.
