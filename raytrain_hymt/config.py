@@ -278,8 +278,9 @@ class EvalConfig(_Section):
     """Translate only the first this many lines per direction (None: all; FLORES devtest has 1,012)."""
     max_new_tokens: int = Field(256, ge=1)
     """Longest translation generated, in tokens (greedy decoding stops earlier at the end-of-answer token)."""
-    batch_size: int = Field(16, ge=1)
-    """Sentences per ``generate`` call on each translating replica."""
+    batch_size: int = Field(64, ge=1)
+    """Sentences per ``generate`` call on each translating replica (64 decoded a 7B model 2.3× faster
+    than 16 on H200s, README "Evaluation")."""
     workers: int | None = Field(None, ge=1)
     """Model replicas translating in parallel (one GPU each with ``scaling.use_gpu``; never more than
     there are batches); None: ``scaling.num_workers``."""
