@@ -10,6 +10,9 @@ use (Ray's own plasma statistics). Summed RSS counts pages shared by several pro
 object-store pages a worker has mapped) once per process, so it overstates the total: an upper bound.
 
     python jobs/bench_data.py --scales 1 10 100          # prints a Markdown table
+
+Each system also runs once on :data:`STARTUP_PAIRS` pairs first: its fixed start-up cost, reported on
+its own line and subtracted in the "pairs/s beyond start-up" column.
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ import argparse
 import csv
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -28,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import psutil
+import pyarrow as pa
 
 # Under `ray job submit` the working dir is the repo but the package may not be installed there.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -35,9 +38,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from raytrain_hymt.sample import SAMPLE_CORPUS  # noqa: E402
 
 
+#: Pairs of the start-up measurement (scale 0): enough to run every stage, too few to take time.
+STARTUP_PAIRS = 100
+
+
 def scaled_corpus(scale: int, folder: Path) -> Path:
-    """The sample corpus repeated ``scale`` times, each copy's texts made distinct with `` #k``."""
+    """The sample corpus repeated ``scale`` times, each copy's texts made distinct with `` #k``; scale 0:
+    its first :data:`STARTUP_PAIRS` lines (the fixed start-up cost of a system)."""
     lines = SAMPLE_CORPUS.read_text(encoding="utf-8").splitlines()
+    if scale == 0:
+        lines, scale = lines[:STARTUP_PAIRS], 1
     out = folder / f"corpus-x{scale}.tsv"
     with open(out, "w", encoding="utf-8") as f:
         for k in range(scale):
@@ -47,13 +57,27 @@ def scaled_corpus(scale: int, folder: Path) -> Path:
     return out
 
 
-def _store_bytes(ray_address: str | None) -> int:
-    if not ray_address:
-        return 0
-    from ray._private.internal_api import memory_summary
+def _plasma_file(root: int) -> str | None:
+    """``/proc/<raylet>/map_files/<range>`` of the object store's shared-memory file of the local Ray
+    started under ``root`` (None without Ray)."""
+    for p in psutil.Process(root).children(recursive=True):
+        if p.name() == "raylet":
+            for line in open(f"/proc/{p.pid}/maps"):
+                if "/dev/shm/plasma" in line:
+                    return f"/proc/{p.pid}/map_files/{line.split()[0]}"
+    return None
 
-    m = re.search(r"Plasma memory usage (\d+) MiB", memory_summary(address=ray_address, stats_only=True))
-    return int(m.group(1)) << 20 if m else 0
+
+def _store_bytes(plasma_file: str | None) -> int:
+    # The store's memory: the pages of its /dev/shm file in RAM (a stat, unlike Ray's memory summary,
+    # an RPC to every worker that took a whole core at 10 Hz). Freed objects' pages stay until reused,
+    # so this is the store's high-water mark.
+    if not plasma_file:
+        return 0
+    try:
+        return os.stat(plasma_file).st_blocks * 512
+    except FileNotFoundError:  # Ray shut down
+        return 0
 
 
 def _tree_rss(root: int, skip: int) -> int:
@@ -71,12 +95,12 @@ def _tree_rss(root: int, skip: int) -> int:
     return total
 
 
-def _monitor(root: int, ray_address: str | None, stop, conn) -> None:
+def _monitor(root: int, plasma_file: str | None, stop, conn) -> None:
     """Runs in its own process (a sampling thread in the driver would compete with Ray Data's
     scheduling for the GIL): peak of summed RSS + object-store use, every 0.1 s."""
     peak = peak_store = 0
     while not stop.wait(0.1):
-        store = _store_bytes(ray_address)
+        store = _store_bytes(plasma_file)
         peak_store = max(peak_store, store)
         peak = max(peak, _tree_rss(root, os.getpid()) + store)
     conn.send((peak, peak_store))
@@ -86,13 +110,14 @@ class MemorySampler:
     """Peak of (summed RSS of this process tree + Ray object store use), sampled at 10 Hz by a
     separate process."""
 
-    def __init__(self, ray_address: str | None = None):
+    def __init__(self):
         import multiprocessing as mp
 
         ctx = mp.get_context("spawn")
-        self.idle = _tree_rss(os.getpid(), -1) + _store_bytes(ray_address)
+        plasma_file = _plasma_file(os.getpid())
+        self.idle = _tree_rss(os.getpid(), -1) + _store_bytes(plasma_file)
         self._stop_event, (self._recv, send) = ctx.Event(), ctx.Pipe(duplex=False)
-        self._proc = ctx.Process(target=_monitor, args=(os.getpid(), ray_address, self._stop_event, send), daemon=True)
+        self._proc = ctx.Process(target=_monitor, args=(os.getpid(), plasma_file, self._stop_event, send), daemon=True)
         self._proc.start()
 
     def stop(self) -> tuple[int, int]:
@@ -120,7 +145,7 @@ def run_ray(path: Path, out: Path, actors: int) -> dict:
 
     quiet_ray()
     ray.init(address="local", num_cpus=max(4, actors + 2), include_dashboard=False)
-    sampler = MemorySampler(ray.get_runtime_context().gcs_address)
+    sampler = MemorySampler()
     t0 = time.perf_counter()
     stats = prepare_dataset(_config(path, actors), str(out))
     seconds = time.perf_counter() - t0
@@ -132,12 +157,14 @@ def run_ray(path: Path, out: Path, actors: int) -> dict:
 
 
 def _np(fn, **kwargs):
-    """A pipeline batch function (numpy columns in and out) as a ``datasets`` batched map function."""
+    """A pipeline batch function (numpy columns in; numpy columns or an Arrow table out) as a
+    ``datasets`` batched map function."""
 
     def apply(batch):
         arrays = {k: np.asarray(v, dtype=object if v and isinstance(v[0], (str, list, np.ndarray)) else None)
                   for k, v in batch.items()}
-        return {k: list(v) for k, v in fn(arrays, **kwargs).items()}
+        out = fn(arrays, **kwargs)
+        return out if isinstance(out, pa.Table) else {k: list(v) for k, v in out.items()}
 
     return apply
 
@@ -146,9 +173,8 @@ def run_datasets(path: Path, out: Path, num_proc: int) -> dict:
     """The same steps with ``datasets.Dataset.map(batched=True)`` in this process (+ ``num_proc``)."""
     import datasets
 
-    from raytrain_hymt.data.cleaning import clean_batch, pair_key
     from raytrain_hymt.data.packing import pack_examples
-    from raytrain_hymt.data.pipeline import _add_directions, _mark_split, cleaning_rules
+    from raytrain_hymt.data.pipeline import cleaning_rules, order_key, prepare_pairs
     from raytrain_hymt.data.readers import example_id
     from raytrain_hymt.data.tokenize import TokenizePairs
 
@@ -165,13 +191,14 @@ def run_datasets(path: Path, out: Path, num_proc: int) -> dict:
     def ids(batch, idx):
         origins = [f"{path}:{i + 1}" for i in idx]
         return {"origin": origins, "example_id": [example_id(0, o) for o in origins],
-                "source": [0] * len(idx), "drop_reason": [""] * len(idx), "copy": [0] * len(idx)}
+                "source": [0] * len(idx), "drop_reason": [""] * len(idx)}
 
     ds = ds.map(ids, batched=True, with_indices=True)
-    ds = ds.map(lambda b: clean_batch(b, cleaning_rules(data)), batched=True, num_proc=num_proc)
-    ds = ds.map(lambda b: {"pair_key": ["" if r else pair_key(s, t, a, c) for s, t, a, c, r in
-                                        zip(b["src"], b["tgt"], b["src_lang"], b["tgt_lang"], b["drop_reason"])]},
-                batched=True, num_proc=num_proc)
+    ds = ds.map(_np(prepare_pairs, rules=cleaning_rules(data), seed=data.seed, val_fraction=data.val_fraction,
+                    both=data.both_directions), batched=True, num_proc=num_proc, remove_columns=ds.column_names)
+    tokenizer = TokenizePairs(cfg.model.name_or_path, data.max_example_tokens)
+    ds = ds.map(_np(tokenizer), batched=True, batch_size=data.tokenize_batch_size, num_proc=num_proc,
+                remove_columns=ds.column_names)
     seen: set[str] = set()
 
     def mark_dups(batch):  # one process: the set of keys seen so far must be shared
@@ -182,10 +209,8 @@ def run_datasets(path: Path, out: Path, num_proc: int) -> dict:
         return {"drop_reason": reasons}
 
     ds = ds.map(mark_dups, batched=True, remove_columns=["pair_key"])
-    ds = ds.map(_np(_mark_split, seed=data.seed, val_fraction=data.val_fraction), batched=True, num_proc=num_proc)
-    ds = ds.map(_np(_add_directions, both=data.both_directions, seed=data.seed), batched=True, num_proc=num_proc)
-    tokenizer = TokenizePairs(cfg.model.name_or_path, data.max_example_tokens)
-    ds = ds.map(_np(tokenizer), batched=True, batch_size=data.tokenize_batch_size, num_proc=num_proc)
+    ds = ds.map(lambda b: {"order_key": order_key(b["example_id"], b["direction"], data.seed)}, batched=True,
+                num_proc=num_proc)
     reasons = Counter(ds["drop_reason"])
     keep = ["input_ids", "labels", "example_id", "order_key", "num_tokens"]
     for split, is_val in (("train", False), ("val", True)):
@@ -200,7 +225,9 @@ def run_datasets(path: Path, out: Path, num_proc: int) -> dict:
         rows.to_parquet(str(out / f"{split}.parquet"))
     seconds = time.perf_counter() - t0
     peak, _ = sampler.stop()
-    return {"seconds": seconds, "pairs": sum(reasons.values()), "train_examples": n_train,
+    # Reversed pairs are rows too: count corpus rows (direction 0) only.
+    pairs = sum(reasons.values()) - int(np.sum(ds["direction"]))
+    return {"seconds": seconds, "pairs": pairs, "train_examples": n_train,
             "train_tokens": train_tokens, "peak_bytes": peak, "idle_bytes": sampler.idle, "peak_store_bytes": 0}
 
 
@@ -215,16 +242,23 @@ def one(system: str, scale: int, workers: int) -> dict:
     return {"system": system, "scale": scale, "workers": workers, **result}
 
 
-def table(results: list[dict]) -> str:
-    """The Markdown table of the README."""
-    lines = ["| system | scale | pairs | seconds | pairs/s | train tokens/s | peak memory (MiB) | of which object store | peak above idle (MiB) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+def table(results: list[dict], startup: dict[str, float]) -> str:
+    """The Markdown table of the README. ``startup``: seconds of each system's :data:`STARTUP_PAIRS`-pair
+    run, its fixed cost (Ray: worker processes, tokenizer actors, one execution per stage); "pairs/s
+    beyond start-up" divides by the seconds above it, the rate a larger corpus approaches."""
+    lines = ["| system | scale | pairs | seconds | pairs/s | pairs/s beyond start-up | train tokens/s | peak memory (MiB) | "
+             "of which object store | peak above idle (MiB) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for system, seconds in startup.items():
+        name = "Ray Data (hymt prepare)" if system == "ray" else "datasets.map(batched=True)"
+        lines.append(f"| {name}: start-up | {STARTUP_PAIRS} pairs | {STARTUP_PAIRS} | {seconds:.1f} | | | | | | |")
     for r in results:
         name = "Ray Data (hymt prepare)" if r["system"] == "ray" else "datasets.map(batched=True)"
+        beyond = r["seconds"] - startup.get(r["system"], 0.0)
         lines.append(
             f"| {name}, {r['workers']} proc | {r['scale']}× | {r['pairs']:,} | {r['seconds']:.1f} | "
-            f"{r['pairs'] / r['seconds']:,.0f} | {r['train_tokens'] / r['seconds']:,.0f} | {r['peak_bytes'] / 2**20:,.0f} | "
-            f"{r['peak_store_bytes'] / 2**20:,.0f} | {(r['peak_bytes'] - r['idle_bytes']) / 2**20:,.0f} |"
+            f"{r['pairs'] / r['seconds']:,.0f} | {r['pairs'] / beyond:,.0f} | {r['train_tokens'] / r['seconds']:,.0f} | "
+            f"{r['peak_bytes'] / 2**20:,.0f} | {r['peak_store_bytes'] / 2**20:,.0f} | {(r['peak_bytes'] - r['idle_bytes']) / 2**20:,.0f} |"
         )
     return "\n".join(lines)
 
@@ -241,23 +275,26 @@ def main() -> None:
     if args.one:
         print("RESULT " + json.dumps(one(args.one[0], int(args.one[1]), args.workers)), flush=True)
         return
-    results = []
-    for scale in args.scales:
-        for system in args.systems:
-            runs = []
-            for _ in range(args.repeat):
-                env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-                cmd = [sys.executable, __file__, "--one", system, str(scale), "--workers", str(args.workers)]
-                proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-                found = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-                if proc.returncode or not found:
-                    sys.exit(f"{system} at {scale}× failed:\n{proc.stderr[-3000:]}")
-                runs.append(json.loads(found[0][7:]))
-                print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
-            results.append(min(runs, key=lambda r: r["seconds"]))  # others share this machine: best of N
-    print(table(results))
+    results = [best(system, scale, args.workers, args.repeat) for scale in [0, *args.scales] for system in args.systems]
+    startup = {r["system"]: r["seconds"] for r in results if r["scale"] == 0}
+    print(table([r for r in results if r["scale"] != 0], startup))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+def best(system: str, scale: int, workers: int, repeat: int) -> dict:
+    """The fastest of ``repeat`` fresh-process runs (others share this machine)."""
+    runs = []
+    for _ in range(repeat):
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+        cmd = [sys.executable, __file__, "--one", system, str(scale), "--workers", str(workers)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        found = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        if proc.returncode or not found:
+            sys.exit(f"{system} at {scale}× failed:\n{proc.stderr[-3000:]}")
+        runs.append(json.loads(found[0][7:]))
+        print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
+    return min(runs, key=lambda r: r["seconds"])
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from raytrain_hymt.data.packing import (
     batch_to_device,
     collate,
     document_additive_mask,
-    next_fit_groups,
+    next_fit_bounds,
     pack_examples,
     token_loss_sum,
 )
@@ -53,9 +53,12 @@ def _batch(input_ids, labels, example_ids) -> dict[str, np.ndarray]:
 
 def test_next_fit_is_greedy_in_input_order():
     # First-fit would put the 2 into the first group; next-fit never looks back.
-    assert next_fit_groups([4, 4, 2, 3], 6) == [[0], [1, 2], [3]]
-    assert next_fit_groups([3, 3, 6, 1], 6) == [[0, 1], [2], [3]]
-    assert next_fit_groups([], 6) == []
+    # Groups [0], [1, 2], [3] and [0, 1], [2], [3]: row g is lengths[bounds[g]:bounds[g + 1]].
+    assert next_fit_bounds([4, 4, 2, 3], 6).tolist() == [0, 1, 3, 4]
+    assert next_fit_bounds([3, 3, 6, 1], 6).tolist() == [0, 2, 3, 4]
+    assert next_fit_bounds([], 6).tolist() == [0]
+    with pytest.raises(ValueError, match=r"item 1 has 7 tokens > max_tokens=6"):
+        next_fit_bounds([1, 7], 6)
 
 
 def test_pack_examples_exact_outputs():

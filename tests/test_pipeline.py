@@ -10,12 +10,22 @@ from __future__ import annotations
 import logging
 
 import numpy as np
+import pyarrow as pa
 import pytest
 
 from raytrain_hymt.config import SourceConfig, load_config
-from raytrain_hymt.data.cleaning import DataQualityError, normalize_text
+from raytrain_hymt.data.cleaning import CleaningRules, DataQualityError, normalize_text, pair_key
 from raytrain_hymt.data.packing import IGNORE_INDEX
-from raytrain_hymt.data.pipeline import apply_weights, build_datasets, mark_duplicates
+from raytrain_hymt.data.pipeline import (
+    TOKENIZED_COLUMNS,
+    apply_weights,
+    build_datasets,
+    finish_partition,
+    group_key,
+    mark_duplicates,
+    order_key,
+    prepare_pairs,
+)
 from raytrain_hymt.data.readers import DataSourceError, example_id
 from raytrain_hymt.languages import UnsupportedLanguageError
 from raytrain_hymt.model import load_tokenizer
@@ -264,19 +274,98 @@ def test_mark_duplicates_keeps_the_smallest_example_id_whatever_the_order():
 def test_apply_weights_repeats_and_subsamples_deterministically():
     n = 200
     batch = {
-        "src": np.array(["s"] * n, dtype=object),
         "example_id": np.arange(n, dtype=np.int64),
         "source": np.array([0] * (n // 2) + [1] * (n // 2), dtype=np.int32),
-        "drop_reason": np.array(["malformed"] + [""] * (n - 1), dtype=object),
+        "drop_reason": np.array(["malformed", "too_many_tokens"] + [""] * (n - 2), dtype=object),
     }
     out = apply_weights(dict(batch), weights=[3.0, 0.5], seed=1)
     again = apply_weights(dict(batch), weights=[3.0, 0.5], seed=1)
     assert all(np.array_equal(out[k], again[k]) for k in out)
-    first = out["source"] == 0
+    first = batch["source"][out["index"]] == 0
     assert int(first.sum()) == 1 + 3 * 99  # the malformed row stays single, to be counted once
+    # A too-long pair is weighted like a kept one: too_many_tokens counts every example it would make.
+    assert out["drop_reason"][first].tolist() == ["malformed"] + ["too_many_tokens"] * 3 + [""] * 3 * 98
+    assert out["copy"][first].tolist()[:7] == [0, 0, 1, 2, 0, 1, 2]
     assert len(set(out["example_id"][first].tolist())) == int(first.sum())  # copies get their own ids
+    assert out["example_id"][0] == 0 and out["example_id"][1] == 1  # originals keep theirs
     sampled = out["drop_reason"][~first]
     assert 30 < int((sampled == "subsampled").sum()) < 70 and len(sampled) == n // 2
+    assert set(sampled.tolist()) == {"", "subsampled"} and set(out["copy"][~first].tolist()) == {0}
+
+
+def test_group_key_is_seeded_and_equal_for_equal_pairs():
+    keys = np.array(["k1", "k2", "k1", ""], dtype=object)
+    ids = np.array([10, 11, 12, 13], dtype=np.int64)
+    g = group_key(keys, ids, seed=0)
+    assert g.dtype == np.int64 and g[0] == g[2] != g[1]
+    assert g[3] == 13  # no pair key (dropped in cleaning): spread by the example id
+    assert (group_key(keys, ids, seed=1)[:3] != g[:3]).all()
+    assert group_key(keys, ids, seed=0).tolist() == g.tolist()
+
+
+def test_prepare_pairs_cleans_keys_splits_and_reverses():
+    batch = {
+        "src": np.array(["Hello  there.", "x", "Bad line"], dtype=object),
+        "tgt": np.array(["你好。", "y", ""], dtype=object),
+        "src_lang": np.array(["eng", "eng", ""], dtype=object),
+        "tgt_lang": np.array(["cmn_Hans", "deu", ""], dtype=object),
+        "origin": np.array(["f:1", "f:2", "f:3"], dtype=object),
+        "example_id": np.array([7, 8, 9], dtype=np.int64),
+        "source": np.array([0, 0, 0], dtype=np.int32),
+        "drop_reason": np.array(["", "", "malformed"], dtype=object),
+    }
+    out = prepare_pairs(batch, CleaningRules(min_chars=2), seed=0, val_fraction=0.0, both=True)
+    key = pair_key("Hello there.", "你好。", "en", "zh")
+    assert out["example_id"].tolist() == [7, 8, 9, 7]
+    assert out["direction"].tolist() == [0, 0, 0, 1]
+    assert out["src"].tolist() == ["Hello there.", "x", "Bad line", "你好。"]
+    assert out["src_lang"].tolist() == ["en", "en", "", "zh"]
+    assert out["drop_reason"].tolist() == ["", "too_short", "malformed", ""]
+    # The reversed row shares its pair's sort key (same partition), not its dedup key.
+    assert out["pair_key"].tolist() == [key, "", "", key + "|reversed"]
+    assert out["group_key"].tolist() == [*group_key(np.array([key, "", ""], dtype=object), np.array([7, 8, 9]), 0), out["group_key"][0]]
+    assert out["is_val"].tolist() == [False] * 4
+    assert out["sample"].tolist() == ["", "", "f:3: malformed: 'Bad line'", ""]
+    assert "origin" not in out
+
+
+def test_finish_partition_dedups_weights_and_orders():
+    def tokens(*rows):
+        return pa.array([list(r) for r in rows], pa.list_(pa.int32()))
+
+    # Rows 0 and 1: one pair twice (row 1 has the smaller id, so row 0 is the duplicate); row 2 row 1's
+    # reverse; row 3 dropped in cleaning; row 4 too long, from a source of weight 2.
+    table = pa.table({
+        "input_ids": tokens([1, 2], [1, 2], [3, 4, 5], [], []),
+        "labels": tokens([-100, 2], [-100, 2], [-100, 4, 5], [], []),
+        "example_id": pa.array([5, 4, 4, 9, 6], pa.int64()),
+        "source": pa.array([0, 0, 0, 0, 1], pa.int32()),
+        "direction": pa.array([0, 0, 1, 0, 0], pa.int8()),
+        "num_tokens": pa.array([2, 2, 3, 0, 0], pa.int32()),
+        "num_targets": pa.array([1, 1, 2, 0, 0], pa.int32()),
+        "drop_reason": ["", "", "", "empty", "too_many_tokens"],
+        "is_val": [False] * 5,
+        "sample": [""] * 5,
+        "pair_key": ["k", "k", "k|reversed", "", "t"],
+        "group_key": pa.array([1, 1, 1, 9, 2], pa.int64()),
+    })
+    out = finish_partition(table, weights=[1.0, 2.0], seed=3)
+    assert out.column_names == list(TOKENIZED_COLUMNS)
+    from raytrain_hymt.data.pipeline import _hash64
+
+    copy_id = _hash64("6|copy|1")
+    rows = {(5, 0): ([1, 2], "duplicate", True), (4, 0): ([1, 2], "", True), (4, 1): ([3, 4, 5], "", False),
+            (9, 0): ([], "empty", True), (6, 0): ([], "too_many_tokens", True), (copy_id, 0): ([], "too_many_tokens", False)}
+    ids = np.array([e for e, _ in rows], dtype=np.int64)
+    directions = np.array([d for _, d in rows], dtype=np.int8)
+    expected = [list(rows)[i] for i in np.argsort(order_key(ids, directions, seed=3))]
+    assert out["example_id"].to_pylist() == [e for e, _ in expected]
+    assert out["input_ids"].to_pylist() == [rows[k][0] for k in expected]
+    assert out["drop_reason"].to_pylist() == [rows[k][1] for k in expected]
+    assert out["primary"].to_pylist() == [rows[k][2] for k in expected]
+    assert finish_partition(table, weights=[1.0, 2.0], seed=3).equals(out)
+    # Without dedup the duplicate is kept; the reversed row is never compared with the forward pair.
+    assert finish_partition(table, weights=[1.0, 2.0], seed=3, dedup=False)["drop_reason"].to_pylist().count("duplicate") == 0
 
 
 def test_prepared_files_are_read_in_write_order():

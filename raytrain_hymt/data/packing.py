@@ -50,8 +50,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
+
+# torch only where tensors are made (collate, masks, loss): every Ray worker that packs or tokenizes
+# imports this module, and importing torch there costs seconds of start-up per worker process.
+if TYPE_CHECKING:
+    import torch
 
 #: Label value that takes no loss (the ``ignore_index`` of PyTorch's cross-entropy).
 IGNORE_INDEX = -100
@@ -76,61 +82,77 @@ def _rows(column) -> list[np.ndarray]:
     return [np.asarray(row) for row in column]
 
 
-def next_fit_groups(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """Indices of ``lengths`` grouped greedily, next-fit, in input order: a new group starts when the next
-    length does not fit into the current one. Deterministic; raises ``ValueError`` on a length > max_tokens.
-    """
+def next_fit_bounds(lengths: Sequence[int], max_tokens: int) -> np.ndarray:
+    """Boundaries of ``lengths`` grouped greedily, next-fit, in input order: group ``g`` is
+    ``lengths[bounds[g]:bounds[g + 1]]``, and a new group starts when the next length does not fit into
+    the current one. Deterministic; raises ``ValueError`` on a length > max_tokens."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    groups: list[list[int]] = []
+    bounds = [0]
     used = 0
-    for i, n in enumerate(lengths):
+    for i, n in enumerate(np.asarray(lengths, dtype=np.int64).tolist()):
         if n > max_tokens:
             raise ValueError(f"item {i} has {n} tokens > max_tokens={max_tokens}")
-        if not groups or used + n > max_tokens:
-            groups.append([])
+        if used + n > max_tokens and i:
+            bounds.append(i)
             used = 0
-        groups[-1].append(i)
         used += n
-    return groups
+    if len(lengths):
+        bounds.append(len(lengths))
+    return np.asarray(bounds, dtype=np.int64)
 
 
-def _example_arrays(input_ids: np.ndarray, labels: np.ndarray, example_id: int) -> tuple[np.ndarray, np.ndarray]:
-    """One example's ``(input_ids, labels)`` as int32, first label set to ``-100`` (module docstring)."""
-    ids = np.asarray(input_ids, dtype=np.int32).reshape(-1)
-    labs = np.array(labels, dtype=np.int32).reshape(-1)  # a copy: the first label is overwritten
-    if ids.shape != labs.shape:
-        raise ValueError(f"example_id {example_id}: {ids.size} input_ids but {labs.size} labels")
-    if ids.size == 0:
-        raise ValueError(f"example_id {example_id} has no tokens")
-    labs[0] = IGNORE_INDEX
-    return ids, labs
+def _split(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """``values[offsets[i]:offsets[i + 1]]`` for every ``i``, as an object array of views."""
+    return _object_array([values[a:b] for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())])
 
 
-def _build_rows(groups: list[list[int]], ids: list[np.ndarray], labs: list[np.ndarray], eids: np.ndarray) -> dict:
-    """The packed-row columns (module docstring) for ``groups`` of example indices."""
-    cols: dict[str, list] = {k: [] for k in ("input_ids", "labels", "position_ids", "seq_lens", "example_ids")}
-    n_target = []
-    for group in groups:
-        lens = np.array([ids[i].size for i in group], dtype=np.int32)
-        row_labels = np.concatenate([labs[i] for i in group])
-        cols["input_ids"].append(np.concatenate([ids[i] for i in group]))
-        cols["labels"].append(row_labels)
-        cols["position_ids"].append(np.concatenate([np.arange(n, dtype=np.int32) for n in lens]))
-        cols["seq_lens"].append(lens)
-        cols["example_ids"].append(eids[group].astype(np.int64))
-        n_target.append(int((row_labels != IGNORE_INDEX).sum()))
-    out = {k: _object_array(v) for k, v in cols.items()}
-    out["num_target_tokens"] = np.array(n_target, dtype=np.int64)
-    return out
+def _flatten(column, name: str, eids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A variable-length column as one int32 array plus example offsets (one concatenation, no
+    per-example arrays made)."""
+    rows = _rows(column)
+    if len(rows) != len(eids):
+        raise ValueError(f"{len(rows)} {name} rows but {len(eids)} example ids")
+    lengths = np.fromiter((r.size for r in rows), dtype=np.int64, count=len(rows))
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    values = np.concatenate([r.reshape(-1) for r in rows]).astype(np.int32, copy=False) if rows else np.zeros(0, np.int32)
+    return values, offsets
 
 
-def _read_examples(batch: dict[str, np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray]:
-    """``(input_ids, labels, example_id)`` of a tokenized batch, validated (other columns are ignored)."""
+def _read_examples(batch: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(input_ids, labels, example offsets, example_id)`` of a tokenized batch, flattened and validated
+    (other columns are ignored); labels are a copy with every example's first label ``-100`` (module
+    docstring)."""
     eids = np.asarray(batch["example_id"], dtype=np.int64).reshape(-1)
-    columns = zip(_rows(batch["input_ids"]), _rows(batch["labels"]), eids, strict=True)
-    pairs = [_example_arrays(ids, labels, eid) for ids, labels, eid in columns]
-    return [p[0] for p in pairs], [p[1] for p in pairs], eids
+    ids, offsets = _flatten(batch["input_ids"], "input_ids", eids)
+    labels, label_offsets = _flatten(batch["labels"], "labels", eids)
+    lengths = np.diff(offsets)
+    mismatch = np.flatnonzero(lengths != np.diff(label_offsets))
+    if mismatch.size:
+        i = mismatch[0]
+        raise ValueError(f"example_id {eids[i]}: {lengths[i]} input_ids but {label_offsets[i + 1] - label_offsets[i]} labels")
+    if (lengths == 0).any():
+        raise ValueError(f"example_id {eids[np.flatnonzero(lengths == 0)[0]]} has no tokens")
+    labels = labels.copy()
+    labels[offsets[:-1]] = IGNORE_INDEX
+    return ids, labels, offsets, eids
+
+
+def _build_rows(bounds: np.ndarray, ids: np.ndarray, labels: np.ndarray, offsets: np.ndarray, eids: np.ndarray) -> dict:
+    """The packed-row columns (module docstring): row ``g`` holds examples ``bounds[g]:bounds[g + 1]``,
+    which are contiguous in the flat token arrays, so every row is a slice of them."""
+    lengths = np.diff(offsets).astype(np.int32)
+    row_offsets = offsets[bounds]
+    positions = (np.arange(ids.size, dtype=np.int64) - np.repeat(offsets[:-1], lengths)).astype(np.int32)
+    targets = np.concatenate([[0], np.cumsum(labels != IGNORE_INDEX)])
+    return {
+        "input_ids": _split(ids, row_offsets),
+        "labels": _split(labels, row_offsets),
+        "position_ids": _split(positions, row_offsets),
+        "seq_lens": _split(lengths, bounds),
+        "example_ids": _split(eids, bounds),
+        "num_target_tokens": (targets[row_offsets[1:]] - targets[row_offsets[:-1]]).astype(np.int64),
+    }
 
 
 def pack_examples(batch: dict[str, np.ndarray], max_tokens: int) -> dict[str, np.ndarray]:
@@ -142,21 +164,23 @@ def pack_examples(batch: dict[str, np.ndarray], max_tokens: int) -> dict[str, np
     the rows get). Output columns: see the module docstring. An example longer than ``max_tokens`` raises
     ``ValueError``: tokenization drops those (``too_many_tokens``), so reaching here is a bug upstream.
     """
-    ids, labs, eids = _read_examples(batch)
-    for tokens, eid in zip(ids, eids):
-        if tokens.size > max_tokens:
-            raise ValueError(
-                f"example_id {int(eid)} has {tokens.size} tokens > max_tokens={max_tokens}; tokenization "
-                "must drop examples longer than the pack size before packing"
-            )
-    return _build_rows(next_fit_groups([t.size for t in ids], max_tokens), ids, labs, eids)
+    ids, labels, offsets, eids = _read_examples(batch)
+    lengths = np.diff(offsets)
+    too_long = np.flatnonzero(lengths > max_tokens)
+    if too_long.size:
+        i = too_long[0]
+        raise ValueError(
+            f"example_id {int(eids[i])} has {lengths[i]} tokens > max_tokens={max_tokens}; tokenization "
+            "must drop examples longer than the pack size before packing"
+        )
+    return _build_rows(next_fit_bounds(lengths, max_tokens), ids, labels, offsets, eids)
 
 
 def as_single_rows(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The padding layout: one example per row, in the same columns as :func:`pack_examples`, so both
     layouts share :func:`collate` (Ray Data ``map_batches``, ``batch_format="numpy"``)."""
-    ids, labs, eids = _read_examples(batch)
-    return _build_rows([[i] for i in range(len(ids))], ids, labs, eids)
+    ids, labels, offsets, eids = _read_examples(batch)
+    return _build_rows(np.arange(eids.size + 1), ids, labels, offsets, eids)
 
 
 def _padded_length(longest: int, pad_to_multiple_of: int | None, pad_to: int | None) -> int:
@@ -169,9 +193,13 @@ def _padded_length(longest: int, pad_to_multiple_of: int | None, pad_to: int | N
     return -(-longest // m) * m
 
 
-def document_additive_mask(document_ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def document_additive_mask(document_ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``[B,1,L,L]`` additive mask from per-token document ids ``[B,L]``: 0 where query ``q`` may attend
-    key ``k`` (same document, ``k <= q``), ``torch.finfo(dtype).min`` elsewhere (the form eager needs)."""
+    key ``k`` (same document, ``k <= q``), ``torch.finfo(dtype).min`` elsewhere (the form eager needs);
+    ``dtype`` defaults to float32."""
+    import torch
+
+    dtype = dtype or torch.float32
     L = document_ids.shape[-1]
     same_doc = document_ids[:, :, None] == document_ids[:, None, :]
     causal = torch.ones(L, L, dtype=torch.bool, device=document_ids.device).tril()
@@ -197,10 +225,11 @@ def document_block_mask(document_ids: torch.Tensor):
 
 
 def document_attention_mask(
-    document_ids: torch.Tensor, attn_implementation: str, *, dtype: torch.dtype = torch.float32
+    document_ids: torch.Tensor, attn_implementation: str, *, dtype: torch.dtype | None = None
 ):
     """The document mask ``attn_implementation`` takes as ``attention_mask``: a ``BlockMask`` for
-    ``"flex_attention"``, the ``[B,1,L,L]`` additive float mask for ``"sdpa"`` and ``"eager"``."""
+    ``"flex_attention"``, the ``[B,1,L,L]`` additive float mask (``dtype``, default float32) for
+    ``"sdpa"`` and ``"eager"``."""
     if attn_implementation == "flex_attention":
         return document_block_mask(document_ids)
     if attn_implementation in ("sdpa", "eager"):
@@ -218,7 +247,7 @@ def collate(
     attn_implementation: str,
     pad_to_multiple_of: int | None = 8,
     pad_to: int | None = None,
-    mask_dtype: torch.dtype = torch.float32,
+    mask_dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
 ) -> dict[str, torch.Tensor | object]:
     """Pad rows of :func:`pack_examples` / :func:`as_single_rows` into model inputs with a document mask.
@@ -231,6 +260,8 @@ def collate(
     and ``seq_lens`` (lists of numpy arrays, one per row). Tensors are built on ``device`` (default CPU).
     Pass ``input_ids``, ``attention_mask`` and ``position_ids`` to the model (and ``use_cache=False``).
     """
+    import torch
+
     ids, labs, pos = _rows(batch["input_ids"]), _rows(batch["labels"]), _rows(batch["position_ids"])
     seq_lens = [r.astype(np.int32) for r in _rows(batch["seq_lens"])]
     B = len(ids)
@@ -276,6 +307,8 @@ def batch_to_device(batch: dict, device: torch.device | str, attn_implementation
     """Move a :func:`collate` output to ``device``. A ``BlockMask`` is rebuilt there from ``document_ids``
     (its mask function closes over the ids tensor, which ``BlockMask.to`` would leave behind); a dense
     mask is moved as is."""
+    import torch
+
     out = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
     if attn_implementation == "flex_attention":
         out["attention_mask"] = document_block_mask(out["document_ids"])
@@ -292,6 +325,8 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
     the token count of the whole global step (FACTS.md, loss normalisation), not per micro-batch.
     Only the target positions are upcast to fp32, which keeps the [tokens, vocab] copy small.
     """
+    import torch
+
     shift_labels = labels[:, 1:]
     target = shift_labels != IGNORE_INDEX
     picked = logits[:, :-1][target].float()

@@ -1,5 +1,5 @@
-"""The Ray Data pipeline: readers → cleaning → dedup → weights → split → prompts + tokenize (actor pool)
-→ order → pack.
+"""The Ray Data pipeline: readers → cleaning + split + directions → prompts + tokenize (actor pool) → one
+sort by a seeded hash of the pair → per partition: dedup, weights, order → pack.
 
 The result is two datasets of training rows in a fixed order (same seed, same rows, same order on every
 run and worker count) plus the statistics of what was kept and dropped. Each training worker reads the
@@ -7,10 +7,16 @@ whole ordered stream and takes its own slice of every global batch (``train_loop
 makes batches independent of the worker count and lets a restarted run skip exactly the rows it already
 trained on.
 
-Determinism: every per-row decision is a hash of the row (split: the source sentence; order: the seeded
-``order_key``; weights: the ``example_id``), the dedup keeps the smallest ``example_id`` of each pair, and
-the two sorts use fixed partition boundaries, so even the block layout that packing sees is the same on
-every run (Ray's sort samples its boundaries at random when none are given).
+One sort serves dedup and order: its key is a seeded hash of the pair (``group_key``), so every copy
+of a pair (duplicates, weighted copies, both directions) lands in one partition, and the partitions
+follow each other in a seeded pseudo-random order. Within a partition, duplicates are marked, weights
+applied and the examples ordered by the seeded ``order_key``; packing then takes each partition whole.
+
+Determinism: every per-row decision is a hash of the row (split: the source sentence; partition: the
+seeded pair hash; order within it: the seeded ``order_key``; weights: the ``example_id``), the dedup keeps
+the smallest ``example_id`` of each pair, and the sort uses fixed partition boundaries, so even the block
+layout that packing sees is the same on every run (Ray's sort samples its boundaries at random when none
+are given).
 
 ``build_datasets`` materializes its results (each training worker then reads the object store, not the
 pipeline again). For corpora larger than the cluster's object store, ``hymt prepare`` writes the rows to
@@ -20,15 +26,15 @@ Parquet once (:mod:`raytrain_hymt.data.prepare`) and ``data.prepared_path`` stre
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 from dataclasses import dataclass, field
 
 import numpy as np
+import pyarrow as pa
 
 from raytrain_hymt.config import Config, DataConfig
 from raytrain_hymt.data.cleaning import CleaningRules, check_bad_fraction, clean_batch, format_sample, pair_key, split_key
-from raytrain_hymt.data.packing import IGNORE_INDEX, as_single_rows, pack_examples
+from raytrain_hymt.data.packing import as_single_rows, pack_examples
 from raytrain_hymt.data.prompts import expand_directions
 from raytrain_hymt.data.readers import DataSourceError, read_source
 from raytrain_hymt.data.tokenize import TokenizePairs
@@ -37,15 +43,17 @@ log = logging.getLogger(__name__)
 
 BAD_LINE_REASONS = ("malformed", "invalid_utf8")
 #: Rows per block between reading and tokenizing (the unit of parallel work).
-ROWS_PER_BLOCK = 16384
-#: Partitions of the dedup sort: each holds ~1/16 of the corpus in one block (grow it for corpora
-#: whose sixteenth does not fit a worker's memory).
-DEDUP_PARTITIONS = 16
-#: Examples per partition of the ordering sort (packs never span partitions: one part-filled row each).
-EXAMPLES_PER_PARTITION = 65536
-#: Columns of the materialized tokenized dataset (texts are gone; bad rows keep a short ``sample``).
-TOKENIZED_COLUMNS = ("input_ids", "labels", "example_id", "direction", "num_tokens", "num_targets",
-                     "order_key", "drop_reason", "is_val", "primary", "sample")
+ROWS_PER_BLOCK = 8192
+#: Partitions of the one sort (dedup and order): each holds ~1/16 of the corpus in one block, and is
+#: packed whole (one part-filled row each). Grow it for corpora whose sixteenth does not fit a worker's
+#: memory.
+SORT_PARTITIONS = 16
+#: Columns of the sorted examples (texts are gone after tokenizing; bad rows keep a short ``sample``).
+SORTED_COLUMNS = ("input_ids", "labels", "example_id", "source", "direction", "num_tokens", "num_targets",
+                  "drop_reason", "is_val", "sample", "pair_key", "group_key")
+#: Columns of the materialized tokenized dataset, in seeded order within each partition.
+TOKENIZED_COLUMNS = ("input_ids", "labels", "example_id", "num_tokens", "num_targets", "drop_reason", "is_val",
+                     "primary", "sample")
 
 
 @dataclass
@@ -109,30 +117,18 @@ def order_key(example_ids: np.ndarray, directions: np.ndarray, seed: int) -> np.
     return np.array([_hash64(f"{seed}|{int(e)}|{int(d)}") for e, d in zip(example_ids, directions)], dtype=np.int64)
 
 
+def group_key(pair_keys: np.ndarray, example_ids: np.ndarray, seed: int) -> np.ndarray:
+    """Key of the one sort: a seeded 64-bit hash of the ``pair_key`` (equal pairs get equal keys, so they
+    meet in one partition, and the seed shuffles the partitions' contents); a row without a pair key
+    (dropped in cleaning) gets its ``example_id``, which spreads those rows evenly."""
+    return np.array([_hash64(f"{seed}|{k}") if k else int(e) for k, e in zip(pair_keys, example_ids)], dtype=np.int64)
+
+
 def uniform_boundaries(partitions: int) -> list[int]:
     """Boundaries splitting the int64 range into equal partitions (for uniform hash keys); at least
     two partitions, because Ray treats an empty list as "sample boundaries at random"."""
     edges = np.linspace(np.iinfo(np.int64).min, np.iinfo(np.int64).max, max(2, partitions) + 1, dtype=np.float64)[1:-1]
     return [int(e) for e in edges]
-
-
-def sort_boundaries(n_rows: int) -> list[int]:
-    """Fixed boundaries of the ordering sort on the seeded ``order_key`` (:data:`EXAMPLES_PER_PARTITION`)."""
-    return uniform_boundaries(-(-n_rows // EXAMPLES_PER_PARTITION))
-
-
-def _add_pair_key(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    # Dropped rows get no key: they never count as the "first" copy of a pair.
-    keys = ["" if r else pair_key(s, t, sl, tl) for s, t, sl, tl, r in
-            zip(batch["src"], batch["tgt"], batch["src_lang"], batch["tgt_lang"], batch["drop_reason"])]
-    batch["pair_key"] = np.array(keys, dtype=object)
-    # The sort needs a number (Ray's fixed boundaries are numeric): the key's first 64 bits; dropped rows
-    # spread by their id.
-    batch["pair_bucket"] = np.array(
-        [int.from_bytes(bytes.fromhex(k[:16]), "big", signed=True) if k else int(e) for k, e in zip(keys, batch["example_id"])],
-        dtype=np.int64,
-    )
-    return batch
 
 
 def mark_duplicates(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -151,79 +147,101 @@ def mark_duplicates(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return batch
 
 
-def dedup(ds):
-    """Exact-duplicate removal that scales past one machine: Ray's distributed sort brings equal
-    ``pair_key`` values into one block (the same guarantee ``groupby().map_groups`` relies on), and
-    :func:`mark_duplicates` keeps the smallest ``example_id`` per key. The sort's boundaries are fixed
-    (:data:`DEDUP_PARTITIONS` ranges of the key's hash), so the work spreads over that many reduce tasks."""
-    ds = ds.map_batches(_add_pair_key, batch_format="numpy")
-    ds = ds.sort("pair_bucket", boundaries=uniform_boundaries(DEDUP_PARTITIONS))
-    ds = ds.map_batches(mark_duplicates, batch_size=None, batch_format="numpy").drop_columns(["pair_key", "pair_bucket"])
-    return ds.repartition(target_num_rows_per_block=ROWS_PER_BLOCK)
-
-
 def apply_weights(batch: dict[str, np.ndarray], weights: list[float], seed: int) -> dict[str, np.ndarray]:
-    """Repeat or subsample kept rows by their source's weight (``2.5``: twice, plus a third copy for half
-    the rows). Which rows get the fractional copy is a seeded hash of the ``example_id`` (deterministic);
-    a row sampled away is marked ``subsampled``; copy ``k > 0`` gets a new ``example_id`` derived from
-    the original. Adds ``copy`` (0 for the original). Dropped rows stay as one row, to be counted."""
-    n = len(batch["src"])
+    """Repeat or subsample rows by their source's weight (``2.5``: twice, plus a third copy for half the
+    rows). Which rows get the fractional copy is a seeded hash of the ``example_id`` (deterministic, and
+    the same for both directions of a pair); a row sampled away is marked ``subsampled``; copy ``k > 0``
+    gets a new ``example_id`` derived from the original. Rows that are kept or only too long
+    (``too_many_tokens`` counts every example a pair would have made) are weighted; other dropped rows
+    stay as one row, to be counted.
+
+    Needs ``example_id``, ``source`` and ``drop_reason``; returns ``index`` (the input row of each output
+    row), ``copy`` (0 for the original), ``example_id`` and ``drop_reason`` of the output rows.
+    """
+    eids = np.asarray(batch["example_id"], dtype=np.int64)
     index: list[int] = []
     copies: list[int] = []
     reasons = list(batch["drop_reason"])
-    for i in range(n):
-        w = weights[int(batch["source"][i])]
+    for i, (e, s) in enumerate(zip(eids.tolist(), np.asarray(batch["source"]).tolist())):
+        w = weights[s]
         whole, frac = int(w), w - int(w)
-        u = (_hash64(f"{seed}|weight|{int(batch['example_id'][i])}") / 2**64) + 0.5
+        u = (_hash64(f"{seed}|weight|{e}") / 2**64) + 0.5
         count = whole + (u < frac)
-        if reasons[i] or count <= 1:
+        if reasons[i] not in ("", "too_many_tokens") or count <= 1:
             index.append(i)
             copies.append(0)
-            reasons[i] = reasons[i] or ("subsampled" if count == 0 else "")
+            if count == 0 and reasons[i] in ("", "too_many_tokens"):
+                reasons[i] = "subsampled"
         else:
             index.extend([i] * count)
             copies.extend(range(count))
-    out = {k: np.asarray(v)[index] for k, v in batch.items()}
-    out["drop_reason"] = np.array(reasons, dtype=object)[index]
-    out["copy"] = np.array(copies, dtype=np.int32)
-    out["example_id"] = np.array(
-        [e if c == 0 else _hash64(f"{int(e)}|copy|{c}") for e, c in zip(out["example_id"], copies)], dtype=np.int64
-    )
-    return out
+    out_index = np.array(index, dtype=np.int64)
+    return {
+        "index": out_index,
+        "copy": np.array(copies, dtype=np.int32),
+        "drop_reason": np.array(reasons, dtype=object)[out_index],
+        "example_id": np.array([e if c == 0 else _hash64(f"{e}|copy|{c}") for e, c in zip(eids[out_index].tolist(), copies)],
+                               dtype=np.int64),
+    }
 
 
-def _mark_split(batch: dict[str, np.ndarray], seed: int, val_fraction: float) -> dict[str, np.ndarray]:
+def prepare_pairs(batch: dict[str, np.ndarray], rules: CleaningRules, seed: int, val_fraction: float,
+                  both: bool) -> dict[str, np.ndarray]:
+    """Everything before tokenizing, in one pass over a block of read pairs (one conversion between
+    Arrow and NumPy instead of one per step): clean, key each kept pair for the sort (``pair_key``,
+    ``group_key``), mark the validation split, keep a short ``sample`` of each bad line, add reversed
+    pairs (``direction`` 1)."""
+    batch = {k: np.asarray(v, dtype=object) if isinstance(v, list) else v for k, v in clean_batch(batch, rules).items()}
+    keep = batch["drop_reason"] == ""
+    # Dropped rows get no key: they never count as the "first" copy of a pair.
+    batch["pair_key"] = np.array(["" if r else pair_key(s, t, sl, tl) for s, t, sl, tl, r in
+                                  zip(batch["src"], batch["tgt"], batch["src_lang"], batch["tgt_lang"], batch["drop_reason"])],
+                                 dtype=object)
+    batch["group_key"] = group_key(batch["pair_key"], batch["example_id"], seed)
     # Decided on the original source, before directions are expanded: a pair and its reverse always
     # land on the same side of the split.
     batch["is_val"] = np.array([split_key(str(s), seed) < val_fraction for s in batch["src"]], dtype=bool)
-    return batch
-
-
-def _add_directions(batch: dict[str, np.ndarray], both: bool, seed: int) -> dict[str, np.ndarray]:
-    # Dropped rows are never reversed: they are counted once, as the corpus row they are.
-    kept = np.array([not r for r in batch["drop_reason"]], dtype=bool)
-    expanded = expand_directions({k: list(v[kept]) for k, v in batch.items()}, both)
-    n_rev = len(expanded["src"]) - int(kept.sum())
-    out = {}
-    for k, v in batch.items():
-        rev = np.asarray(expanded[k][len(expanded[k]) - n_rev:], dtype=v.dtype) if n_rev else v[:0]
-        out[k] = np.concatenate([v, rev])
-    out["direction"] = np.concatenate([np.zeros(len(kept), np.int8), np.ones(n_rev, np.int8)])
-    out["order_key"] = order_key(out["example_id"], out["direction"], seed)
-    return out
-
-
-def _project(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Keep what the later stages need: tokens and bookkeeping, plus a short sample of each bad line."""
-    batch["primary"] = (np.asarray(batch["copy"]) == 0) & (np.asarray(batch["direction"]) == 0)
-    # Every label that is not -100 is a target; a row's first label is always the prompt's first token.
-    batch["num_targets"] = np.array([int((np.asarray(x) != IGNORE_INDEX).sum()) for x in batch["labels"]], dtype=np.int64)
     batch["sample"] = np.array(
         [format_sample(o, r, str(s), width=100) if r in BAD_LINE_REASONS else "" for o, r, s in
          zip(batch["origin"], batch["drop_reason"], batch["src"])],
         dtype=object,
     )
-    return {k: batch[k] for k in TOKENIZED_COLUMNS}
+    del batch["origin"]
+    # Dropped rows are never reversed: they are counted once, as the corpus row they are.
+    expanded = expand_directions({k: list(v[keep]) for k, v in batch.items()}, both)
+    n_rev = len(expanded["src"]) - int(keep.sum())
+    out = {}
+    for k, v in batch.items():
+        rev = np.asarray(expanded[k][len(expanded[k]) - n_rev:], dtype=v.dtype) if n_rev else v[:0]
+        out[k] = np.concatenate([v, rev])
+    # Reversed rows share their pair's group_key (same partition) but are deduplicated on their own.
+    out["pair_key"][len(keep):] = [k + "|reversed" for k in out["pair_key"][len(keep):]]
+    out["direction"] = np.concatenate([np.zeros(len(keep), np.int8), np.ones(n_rev, np.int8)])
+    return out
+
+
+def finish_partition(table: pa.Table, weights: list[float], seed: int, dedup: bool = True) -> pa.Table:
+    """One partition of the sort (whole pair groups, Arrow): mark duplicates (``dedup``), apply source
+    weights, and put the examples in the seeded ``order_key`` order; returns the :data:`TOKENIZED_COLUMNS`.
+
+    Token columns are only taken by index (Arrow ``take``), never converted to Python objects."""
+    eids = table["example_id"].to_numpy()
+    reasons = np.array(table["drop_reason"].to_pylist(), dtype=object)
+    if dedup:
+        reasons = mark_duplicates({"pair_key": np.array(table["pair_key"].to_pylist(), dtype=object), "example_id": eids,
+                                   "drop_reason": reasons})["drop_reason"]
+    weighted = apply_weights({"example_id": eids, "source": table["source"].to_numpy(), "drop_reason": reasons}, weights, seed)
+    direction = table["direction"].to_numpy()[weighted["index"]]
+    # example_id and direction break the (astronomically unlikely) ties of order_key: the order never
+    # depends on how Ray arranged equal sort keys.
+    order = np.lexsort((direction, weighted["example_id"], order_key(weighted["example_id"], direction, seed)))
+    out = table.select(["input_ids", "labels", "num_tokens", "num_targets", "is_val", "sample"]).take(weighted["index"][order])
+    columns = {
+        "example_id": pa.array(weighted["example_id"][order], pa.int64()),
+        "drop_reason": pa.array(weighted["drop_reason"][order].tolist(), pa.string()),
+        "primary": pa.array((weighted["copy"][order] == 0) & (direction[order] == 0), pa.bool_()),
+    }
+    return pa.table({name: columns[name] if name in columns else out[name] for name in TOKENIZED_COLUMNS})
 
 
 def read_pairs(cfg: Config):
@@ -232,26 +250,17 @@ def read_pairs(cfg: Config):
     return parts[0] if len(parts) == 1 else parts[0].union(*parts[1:])
 
 
-def cleaned_pairs(cfg: Config):
-    """Pairs after cleaning, dedup (``data.dedup``) and source weights; dropped rows kept with a reason."""
+def tokenized_dataset(cfg: Config):
+    """Cleaned, split, tokenized, deduplicated and weighted examples, every row kept (dropped ones carry
+    their ``drop_reason``), in the :data:`TOKENIZED_COLUMNS`: one block per sort partition, in the seeded
+    order."""
     data = cfg.data
     # A file is read by one task into blocks of up to 128 MiB; smaller blocks let the later stages
     # (and the tokenizer actors) work on one file in parallel.
     ds = read_pairs(cfg).repartition(target_num_rows_per_block=ROWS_PER_BLOCK)
-    ds = ds.map_batches(clean_batch, fn_kwargs={"rules": cleaning_rules(data)}, batch_format="numpy")
-    if data.dedup:
-        ds = dedup(ds)
-    weights = [s.weight for s in data.sources]
-    return ds.map_batches(apply_weights, fn_kwargs={"weights": weights, "seed": data.seed}, batch_format="numpy")
-
-
-def tokenized_dataset(cfg: Config):
-    """Cleaned, split and tokenized examples, every row kept (dropped ones carry their ``drop_reason``),
-    in the :data:`TOKENIZED_COLUMNS`."""
-    data = cfg.data
-    ds = cleaned_pairs(cfg)
-    ds = ds.map_batches(_mark_split, fn_kwargs={"seed": data.seed, "val_fraction": data.val_fraction}, batch_format="numpy")
-    ds = ds.map_batches(_add_directions, fn_kwargs={"both": data.both_directions, "seed": data.seed}, batch_format="numpy")
+    ds = ds.map_batches(prepare_pairs, batch_format="numpy", fn_kwargs={
+        "rules": cleaning_rules(data), "seed": data.seed, "val_fraction": data.val_fraction, "both": data.both_directions,
+    })
     ds = ds.map_batches(
         TokenizePairs,
         fn_constructor_kwargs={
@@ -262,8 +271,11 @@ def tokenized_dataset(cfg: Config):
         batch_size=data.tokenize_batch_size,
         batch_format="numpy",
         compute=ray_actor_pool(data.tokenize_actors),
-    )
-    return ds.map_batches(_project, batch_format="numpy")
+    ).select_columns(list(SORTED_COLUMNS))
+    ds = ds.sort("group_key", boundaries=uniform_boundaries(SORT_PARTITIONS))
+    weights = [s.weight for s in data.sources]
+    return ds.map_batches(finish_partition, batch_size=None, batch_format="pyarrow",
+                          fn_kwargs={"weights": weights, "seed": data.seed, "dedup": data.dedup})
 
 
 def ray_actor_pool(size: int):
@@ -273,26 +285,35 @@ def ray_actor_pool(size: int):
     return ActorPoolStrategy(size=size)
 
 
-def block_stats(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Counts of one block of tokenized examples, as one JSON row (summed by :func:`merge_stats`): a
-    single cheap pass over the materialized examples instead of a groupby and several counts."""
-    reasons = np.asarray(batch["drop_reason"], dtype=object)
+def block_stats(table: pa.Table) -> dict:
+    """Counts of one block of tokenized examples (Arrow; summed by :func:`merge_stats`): a single cheap
+    pass over the materialized examples instead of a groupby and several counts."""
+    reasons = np.array(table["drop_reason"].to_pylist(), dtype=object)
     kept = reasons == ""
-    is_val = np.asarray(batch["is_val"], dtype=bool)
-    counted = ~kept & (np.asarray(batch["primary"], dtype=bool) | (reasons == "too_many_tokens"))
+    is_val = table["is_val"].to_numpy(zero_copy_only=False)
+    primary = table["primary"].to_numpy(zero_copy_only=False)
+    counted = ~kept & (primary | (reasons == "too_many_tokens"))
     names, counts = np.unique(reasons[counted].astype(str), return_counts=True)
     train = kept & ~is_val
-    samples = [str(x) for x in batch["sample"] if x][:5]
-    record = {
-        "rows_read": int(np.sum(batch["primary"])),
+    return {
+        "rows_read": int(primary.sum()),
         "dropped": {str(k): int(v) for k, v in zip(names, counts)},
         "train_examples": int(train.sum()),
         "val_examples": int((kept & is_val).sum()),
-        "train_tokens": int(np.asarray(batch["num_tokens"])[train].sum()),
-        "train_target_tokens": int(np.asarray(batch["num_targets"])[train].sum()),
-        "samples": samples,
+        "train_tokens": int(table["num_tokens"].to_numpy()[train].sum()),
+        "train_target_tokens": int(table["num_targets"].to_numpy()[train].sum()),
+        "samples": [x for x in table["sample"].to_pylist() if x][:5],
     }
-    return {"stats": np.array([json.dumps(record)], dtype=object)}
+
+
+def _all_block_stats(ds) -> list[dict]:
+    """:func:`block_stats` of every block of a materialized dataset, in block order: one plain Ray task
+    per block, scheduled where the block is (a Ray Data pass would start another execution, seconds of
+    fixed cost, for a few counts)."""
+    import ray
+
+    remote = ray.remote(block_stats)
+    return ray.get([remote.remote(ref) for ref in ds.to_arrow_refs()])
 
 
 def merge_stats(records: list[dict]) -> tuple[DataStats, list[str]]:
@@ -317,16 +338,13 @@ def check_bad_lines(stats: DataStats, samples: list[str], data: DataConfig) -> N
     check_bad_fraction(n_bad, stats.rows_read, data.max_bad_fraction, samples)
 
 
-def to_rows(ds, data: DataConfig, n_examples: int, limit: int | None = None):
-    """Examples → training rows (packs, or one padded example per row), in the seeded order; ``limit``:
-    only the first examples of that order.
+def to_rows(ds, data: DataConfig, limit: int | None = None):
+    """Examples (in the seeded order, one block per sort partition) → training rows: packs, or one
+    padded example per row; ``limit``: only the first examples of that order.
 
-    The sort has fixed boundaries (:func:`sort_boundaries`) and packing takes each sorted partition
-    whole, so the packs are the same on every run."""
-    ds = ds.sort("order_key", boundaries=sort_boundaries(n_examples))
+    Packing takes each partition's block whole, so the packs are the same on every run."""
     if limit is not None:
         ds = ds.limit(limit)
-    ds = ds.drop_columns(["order_key"])
     if data.packing:
         return ds.map_batches(pack_examples, fn_kwargs={"max_tokens": data.pack_tokens}, batch_size=None, batch_format="numpy")
     return ds.map_batches(as_single_rows, batch_size=4096, batch_format="numpy")
@@ -359,8 +377,8 @@ def _execute(ds):
 def lazy_datasets(cfg: Config):
     """The pipeline up to not-yet-executed train and validation row datasets, plus the statistics.
 
-    Executes (and materializes) the tokenized examples once, to count them; the returned datasets
-    sort and pack when consumed. ``stats.train_rows``/``val_rows`` are left for the caller to fill
+    Executes (and materializes) the tokenized, ordered examples once, to count them; the returned
+    datasets pack when consumed. ``stats.train_rows``/``val_rows`` are left for the caller to fill
     (:func:`fill_row_stats`) once the rows exist."""
     import ray.data
     from ray.data.expressions import col
@@ -370,9 +388,8 @@ def lazy_datasets(cfg: Config):
     ctx.raise_original_map_exception = True  # else Ray keeps only the text of our data errors
     data = cfg.data
     tokenized = _execute(tokenized_dataset(cfg))
-    per_block = tokenized.map_batches(block_stats, batch_size=None, batch_format="numpy").take_all()
-    stats, samples = merge_stats([json.loads(r["stats"]) for r in per_block])
-    stats.val_examples, n_val = min(stats.val_examples, data.max_val_examples), stats.val_examples
+    stats, samples = merge_stats(_all_block_stats(tokenized))
+    stats.val_examples = min(stats.val_examples, data.max_val_examples)
     if stats.rows_read == 0:
         paths = ", ".join(repr(s.path) for s in data.sources)
         raise DataSourceError(f"the data sources ({paths}) hold no rows: the files are empty")
@@ -380,12 +397,12 @@ def lazy_datasets(cfg: Config):
     if stats.train_examples == 0:
         raise ValueError(f"no training examples left after cleaning ({stats.summary()}); check data.* settings")
 
-    keep_cols = ["input_ids", "labels", "example_id", "order_key"]
+    keep_cols = ["input_ids", "labels", "example_id"]
     kept = col("drop_reason") == ""
     train_ex = tokenized.filter(expr=kept & (col("is_val") == False)).select_columns(keep_cols)  # noqa: E712
     val_ex = tokenized.filter(expr=kept & (col("is_val") == True)).select_columns(keep_cols)  # noqa: E712
-    train = to_rows(train_ex, data, stats.train_examples)
-    val = to_rows(val_ex, data, n_val, limit=data.max_val_examples)
+    train = to_rows(train_ex, data)
+    val = to_rows(val_ex, data, limit=data.max_val_examples)
     return train, val, stats
 
 

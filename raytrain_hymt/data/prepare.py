@@ -75,7 +75,8 @@ def prepare_dataset(cfg: Config, out: str) -> DataStats:
         Path(out).mkdir(parents=True, exist_ok=True)
     init_ray(cfg)
     train, val, stats = lazy_datasets(cfg)
-    # Streamed from the sort straight into files: the packed rows are never materialized as a whole.
+    # Packed from the materialized, ordered examples straight into files: the packed rows are never
+    # materialized as a whole.
     train.write_parquet(_join(out, "train"))
     val.write_parquet(_join(out, "val"))
     stats = fill_row_stats(stats, *_read_rows(out))
