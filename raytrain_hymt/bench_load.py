@@ -31,9 +31,11 @@ def save_model_folder(folder: Path, layers: int | None, gpu: bool) -> int:
     if layers is None:
         model = load_model("tiny", tokenizer, dtype=torch.bfloat16)
     else:
-        config = folder.parent / "config-src.json"
-        config.write_text(json.dumps(hunyuan_7b_config(layers, tie_word_embeddings=False)))
-        model = load_model(f"{RANDOM_PREFIX}{config}", tokenizer, dtype=torch.bfloat16, device="cuda" if gpu else "cpu")
+        with tempfile.TemporaryDirectory() as tmp:
+            config = Path(tmp) / "config.json"
+            config.write_text(json.dumps(hunyuan_7b_config(layers, tie_word_embeddings=False)))
+            model = load_model(f"{RANDOM_PREFIX}{config}", tokenizer, dtype=torch.bfloat16,
+                               device="cuda" if gpu else "cpu")
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return sum(p.numel() for p in model.parameters())
@@ -104,10 +106,13 @@ def _rank(rank: int, world: int, port: int, folder: str, partitioned: bool, gpu:
         zero3 = HfDeepSpeedConfig(build_ds_config(cfg, world, gpu))  # alive while loading: transformers' switch
     model = load_model(folder, tokenizer, dtype=torch.bfloat16)
     del zero3
+    # What the comparison rests on: zero.Init really left each rank only its partitions.
+    loaded_partitioned = all(hasattr(p, "ds_id") for p in model.parameters())
     load_s = time.perf_counter() - started
     after_load, anon_load = _peak_rss_gib(), anon.take()
     initialize_engine(model, cfg, world, 10, on_gpu=gpu)
-    row = {"rank": rank, "world": world, "partitioned_load": partitioned, "load_s": round(load_s, 2),
+    row = {"rank": rank, "world": world, "partitioned_load": partitioned, "loaded_partitioned": loaded_partitioned,
+           "load_s": round(load_s, 2),
            "peak_private_gib_load": anon_load, "peak_private_gib_engine": anon.take(),
            "peak_rss_gib_after_load": round(after_load, 2), "peak_rss_gib_after_engine": round(_peak_rss_gib(), 2),
            "gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if gpu else None}

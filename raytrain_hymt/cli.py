@@ -75,7 +75,21 @@ def cmd_evaluate(args) -> int:
     if args.directions:
         overrides.append(f"eval.directions=[{', '.join(args.directions)}]")
     args.overrides = list(args.overrides) + overrides  # the dedicated flags win over --set
-    result = evaluate_run(_load(args), model=args.model)
+    cfg = _load(args)
+    if args.model is None and args.config is None and cfg.run.name:
+        # A run is scored as it was trained (GPUs, precision, its test set) unless --config says otherwise.
+        from raytrain_hymt.storage import RunFolder
+
+        saved = RunFolder(cfg.run.storage_path, cfg.run.name, create=False).read_text("config.yaml")
+        if saved:
+            import tempfile
+
+            with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+                f.write(saved)
+            args.config = f.name
+            cfg = _load(args)
+            os.unlink(f.name)
+    result = evaluate_run(cfg, model=args.model)
     print("\n".join(result.lines()))
     return 0
 

@@ -289,8 +289,12 @@ class EvalConfig(_Section):
     def _check(self) -> EvalConfig:
         from raytrain_hymt.evaluate import parse_direction
 
+        seen: dict[tuple[str, str], str] = {}
         for direction in self.directions:
-            parse_direction(direction)
+            pair = parse_direction(direction)
+            if pair in seen:
+                raise ValueError(f"eval.directions: {direction!r} is {seen[pair]!r} again ({pair[0]}-{pair[1]})")
+            seen[pair] = direction
         return self
 
 
@@ -393,8 +397,6 @@ class Config(_Section):
                 "model.attn_implementation flex_attention cannot train on CPU (no CPU backward in torch); "
                 "use sdpa or eager, or set scaling.use_gpu: true"
             )
-        if self.eval.test_set and not self.run.export:
-            raise ValueError("eval.test_set scores the exported model: it needs run.export: true")
         for lever in ("fused_loss", "compile"):
             if getattr(self.model, lever) and not self.scaling.use_gpu:
                 raise ValueError(f"model.{lever} needs GPUs (scaling.use_gpu: true); its kernels are GPU-only")

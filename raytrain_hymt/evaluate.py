@@ -68,8 +68,13 @@ class TestSet:
 
 
 def read_lines(path: Path) -> list[str]:
-    """The file's lines without their line ends (one sentence per line)."""
-    return path.read_text(encoding="utf-8").splitlines()
+    """The file's lines without their line ends (one sentence per line). Only ``\n`` (or ``\r\n``) ends
+    a line: ``str.splitlines`` would also split at form feeds or U+2028 inside a sentence and shift
+    every later hypothesis against its reference."""
+    lines = path.read_text(encoding="utf-8").split("\n")
+    if lines[-1] == "":
+        lines.pop()
+    return [line[:-1] if line.endswith("\r") else line for line in lines]
 
 
 def load_test_set(folder: str) -> TestSet:
@@ -90,6 +95,9 @@ def load_test_set(folder: str) -> TestSet:
     if not files:
         raise ConfigError(f"eval.test_set: no file in {root} is named by a language (e.g. eng_Latn.devtest, en.txt)")
     counts = {code: len(read_lines(path)) for code, path in files.items()}
+    empty = [files[c].name for c, n in counts.items() if n == 0]
+    if empty:
+        raise ConfigError(f"eval.test_set: {', '.join(empty)} in {root} has no lines")
     if len(set(counts.values())) > 1:
         listing = ", ".join(f"{files[c].name}: {n}" for c, n in counts.items())
         raise ConfigError(f"eval.test_set: the files in {root} are not line-aligned ({listing} lines)")
@@ -306,14 +314,24 @@ def log_result(tracker, result: EvalResult, step: int) -> None:
         tracker.log_artifact(result.out_dir, f"eval/{result.test_set}")
 
 
+def _check_replica_resources(cfg, started_locally: bool) -> None:
+    """Fail fast (a local Ray) or warn (a cluster) when not even one translating replica fits."""
+    from raytrain_hymt.resources import check_cluster_resources
+
+    one = cfg.model_copy(deep=True)
+    one.scaling.num_workers, one.scaling.cpus_per_worker = 1, 1.0
+    check_cluster_resources(one, started_locally)
+
+
 def evaluate_run(cfg, model: str | None = None) -> EvalResult:
     """``hymt evaluate``: score a finished run's exported model, or any ``model``, on ``cfg.eval.test_set``.
 
     Without ``model``, ``cfg.run.name`` names a run under ``run.storage_root``: its ``model/`` is
-    translated, the scores join the run's own MLflow run at its last step, and the translations go to
-    ``<run>/eval/<test set>/``. With ``model`` (a folder or hub id, e.g. the base Hunyuan-MT-7B for a
-    baseline), a run named ``cfg.run.name`` or ``eval-<model folder name>`` holds them, with its own
-    MLflow run, so baseline and fine-tuned scores sit side by side in MLflow.
+    translated, the scores join the run's own MLflow run at its last step (the run stays FINISHED even if
+    scoring fails), and the translations go to ``<run>/eval/<test set>/``. With ``model`` (a folder, hub id
+    or URI, e.g. the base Hunyuan-MT-7B for a baseline), a run named ``cfg.run.name`` or ``eval-<model
+    folder name>`` holds them, with its own MLflow run, so baseline and fine-tuned scores sit side by side.
+    Scoring again adds the new scores to the same MLflow run.
     """
     from raytrain_hymt.storage import RunFolder
     from raytrain_hymt.tracking import make_tracker
@@ -331,28 +349,30 @@ def evaluate_run(cfg, model: str | None = None) -> EvalResult:
         if summary is None or not summary.get("model_dir"):
             raise ConfigError(f"{folder.uri} holds no finished run with an exported model/ "
                               "(train it to the end with run.export: true, or pass --model)")
-        init_ray(cfg)
-        result = evaluate_model(cfg, summary["model_dir"], folder.local / "eval")
-        folder.push("eval")
+        model, step, status_if_failed = summary["model_dir"], int(summary.get("steps", 0)), "FINISHED"
+        started_locally = init_ray(cfg)
         saved = json.loads(folder.read_text(RUN_FILE) or "{}")
         tracker = make_tracker(cfg.tracking.enabled and bool(saved.get("mlflow_run_id")),
                                tracking_uri=saved.get("tracking_uri"), experiment=cfg.tracking.experiment,
                                run_name=cfg.run.name, run_id=saved.get("mlflow_run_id"), local_dir=folder.local,
                                retry_interval_s=cfg.tracking.retry_interval_s, new_measurements=True)
-        step = int(summary.get("steps", 0))
     else:
         cfg.run.name = cfg.run.name or f"eval-{Path(model.rstrip('/')).name}"
         folder = RunFolder(cfg.run.storage_path, cfg.run.name)
-        init_ray(cfg)
-        tracker, _ = start_tracking(cfg, folder.local)
+        step, status_if_failed = 0, "FAILED"
+        started_locally = init_ray(cfg)
+        folder.pull(RUN_FILE)  # scoring again continues the same MLflow run, on any storage
+        tracker, _ = start_tracking(cfg, folder.local, new_measurements=True)
+        if tracker.run_id:
+            folder.push(RUN_FILE)
         tracker.set_tags({"evaluated_model": model})
+    try:
+        _check_replica_resources(cfg, started_locally)
         result = evaluate_model(cfg, model, folder.local / "eval")
         folder.push("eval")
-        step = 0
-    try:
         log_result(tracker, result, step)
         tracker.finish("FINISHED")
     except BaseException:
-        tracker.finish("FAILED")
+        tracker.finish(status_if_failed)
         raise
     return result

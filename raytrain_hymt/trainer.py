@@ -93,11 +93,11 @@ def init_ray(cfg: Config) -> bool:
     return True
 
 
-def start_tracking(cfg: Config, run_dir: Path, parent_run_id: str | None = None):
+def start_tracking(cfg: Config, run_dir: Path, parent_run_id: str | None = None, new_measurements: bool = False):
     """Create or resume (id in ``<run_dir>/run.json``) the MLflow run of ``run_dir``; log its config.
 
     Returns ``(tracker, tracking_uri)``; ``(NullTracker, None)`` when tracking is off. ``parent_run_id``
-    makes it a child run (a search's trial).
+    makes it a child run (a search's trial); ``new_measurements``: see ``Tracker.start``.
     """
     from raytrain_hymt.tracking import make_tracker, resolve_tracking_uri
 
@@ -109,6 +109,7 @@ def start_tracking(cfg: Config, run_dir: Path, parent_run_id: str | None = None)
         True, tracking_uri=uri, experiment=cfg.tracking.experiment, run_name=cfg.run.name,
         run_id=saved.get("mlflow_run_id"), local_dir=run_dir, tensorboard=False,
         parent_run_id=parent_run_id, retry_interval_s=cfg.tracking.retry_interval_s,
+        new_measurements=new_measurements,
     )
     (run_dir / RUN_FILE).write_text(json.dumps({"mlflow_run_id": tracker.run_id, "tracking_uri": uri}))
     tracker.log_params(cfg.model_dump(mode="json"))  # flattened and redacted by the tracker
@@ -180,6 +181,8 @@ def preflight(cfg: Config) -> None:
     if cfg.eval.test_set:
         from raytrain_hymt.evaluate import load_test_set, plan_rows
 
+        if not cfg.run.export:
+            raise ConfigError("eval.test_set scores the exported model at the end of a run: it needs run.export: true")
         # A wrong folder or direction would otherwise surface after hours of training.
         plan_rows(load_test_set(cfg.eval.test_set), cfg.eval.directions, cfg.eval.max_sentences)
 
@@ -240,13 +243,18 @@ def run_training(cfg: Config, *, datasets=None, callbacks=(), parent_run_id: str
         metrics = result.metrics or {}
         steps = int(metrics.get("step", 0))
         test_scores = None
-        if cfg.eval.test_set:
-            # The training workers are gone: the translating replicas get their GPUs.
-            # model_dir, not the driver's local copy: replicas may run on other nodes (a URI reaches them).
-            test = evaluate_model(cfg, model_dir, run_dir / "eval")
-            log_result(tracker, test, steps)
-            folder.push("eval")
-            test_scores = {"test_set": test.test_set, "scores": test.scores}
+        if cfg.eval.test_set and model_dir:  # a search's trials export nothing
+            try:
+                # The training workers are gone: the translating replicas get their GPUs. model_dir, not the
+                # driver's local copy: replicas may run on other nodes (a URI reaches them).
+                test = evaluate_model(cfg, model_dir, run_dir / "eval")
+            except Exception as e:  # noqa: BLE001 - the trained model is safe; scoring can be redone
+                log.warning("evaluation on %s failed (%s: %s); the run is kept, score it with: "
+                            "hymt evaluate --name %s", cfg.eval.test_set, type(e).__name__, e, cfg.run.name)
+            else:
+                log_result(tracker, test, steps)
+                folder.push("eval")
+                test_scores = {"test_set": test.test_set, "scores": test.scores}
         summary = TrainingSummary(
             name=cfg.run.name, run_dir=folder.uri, checkpoint=result.checkpoint.path, model_dir=model_dir,
             steps=steps, train_loss=float(metrics.get("train_loss", float("nan"))),

@@ -12,7 +12,7 @@ import sacrebleu
 
 from raytrain_hymt.cli import main
 from raytrain_hymt.config import ConfigError, load_config
-from raytrain_hymt.evaluate import bleu_tokenizer, load_test_set, parse_direction, plan_rows, score
+from raytrain_hymt.evaluate import bleu_tokenizer, load_test_set, parse_direction, plan_rows, read_lines, score
 from raytrain_hymt.trainer import preflight
 
 # ---- pure: directions, test sets, scores -------------------------------------------------------------
@@ -73,7 +73,14 @@ def test_bad_test_sets_are_refused_with_what_is_wrong(tmp_path):
     (tmp_path / "zh.txt").write_text("甲\n乙\n")
     with pytest.raises(ConfigError, match=r"not line-aligned \(en.txt: 3, zh.txt: 2 lines\)"):
         load_test_set(str(tmp_path))
-    (tmp_path / "zh.txt").write_text("甲\n乙\n丙\n")
+    # Only a newline ends a sentence: a form feed or U+2028 inside one, or CRLF endings, change nothing.
+    (tmp_path / "zh.txt").write_bytes("甲\x0c甲\r\n乙\u2028乙\r\n丙".encode())
+    ts = load_test_set(str(tmp_path))
+    assert ts.lines == 3 and read_lines(ts.files["zh"]) == ["甲\x0c甲", "乙\u2028乙", "丙"]
+    (tmp_path / "de.txt").write_text("")
+    with pytest.raises(ConfigError, match=r"de.txt in .* has no lines"):
+        load_test_set(str(tmp_path))
+    (tmp_path / "de.txt").unlink()
     (tmp_path / "eng_Latn.devtest").write_text("a\nb\nc\n")
     with pytest.raises(ConfigError, match=r"en.txt and eng_Latn.devtest in .* are both en"):
         load_test_set(str(tmp_path))
@@ -83,8 +90,11 @@ def test_a_wrong_test_set_stops_the_run_before_ray_starts(tmp_path):
     cfg = load_config(None, [f"eval.test_set={tmp_path / 'nowhere'}"])
     with pytest.raises(ConfigError, match="nowhere is not a folder"):
         preflight(cfg)
-    with pytest.raises(ConfigError, match="eval.test_set scores the exported model: it needs run.export: true"):
-        load_config(None, [f"eval.test_set={tmp_path}", "run.export=false"])
+    with pytest.raises(ConfigError, match="eval.test_set scores the exported model at the end of a run: it needs "
+                                          "run.export: true"):
+        preflight(load_config(None, [f"eval.test_set={tmp_path}", "run.export=false"]))
+    with pytest.raises(ConfigError, match=r"eval.directions: 'eng_Latn-zho_Hans' is 'en-zh' again \(en-zh\)"):
+        load_config(None, ["eval.directions=[en-zh, eng_Latn-zho_Hans]"])
 
 
 # ---- integration: the end of a run, and hymt evaluate ------------------------------------------------
@@ -154,6 +164,11 @@ def test_hymt_evaluate_scores_a_run_and_any_model_folder_alike(finished_run, sha
     run = client.get_run(run_id)
     assert run.info.run_name == "baseline" and run.data.tags["evaluated_model"] == uri
     assert run.data.metrics["test/devtest/zh-en/bleu"] == pytest.approx(summary.test_scores["scores"]["zh-en"]["bleu"])
+    # Scoring the same model again continues that MLflow run and adds the new measurement.
+    assert main(["evaluate", "--model", uri, "--name", "baseline", *common]) == 0
+    assert json.loads((storage / "baseline" / "run.json").read_text())["mlflow_run_id"] == run_id
+    assert [m.step for m in client.get_metric_history(run_id, "test/devtest/zh-en/bleu")] == [0, 0]
+    assert client.get_run(run_id).info.status == "FINISHED"
 
     # A direction the test set cannot serve: exit 2 with the reason, before any model is loaded.
     assert main(["evaluate", "--name", "e2e", *common, "--directions", "en-fr"]) == 2

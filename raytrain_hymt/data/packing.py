@@ -108,8 +108,7 @@ def _split(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
 
 
 def _flatten(column, name: str, eids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """A variable-length column as one int32 array plus example offsets (one concatenation, no
-    per-example arrays made)."""
+    """A variable-length column as one int32 array plus example offsets (one concatenation)."""
     rows = _rows(column)
     if len(rows) != len(eids):
         raise ValueError(f"{len(rows)} {name} rows but {len(eids)} example ids")

@@ -8,8 +8,8 @@ makes batches independent of the worker count and lets a restarted run skip exac
 trained on.
 
 One sort serves dedup and order: its key is a seeded hash of the pair (``group_key``), so every copy
-of a pair (duplicates, weighted copies, both directions) lands in one partition, and the partitions
-follow each other in a seeded pseudo-random order. Within a partition, duplicates are marked, weights
+of a pair (duplicates, weighted copies, both directions) lands in one partition, and which pairs share
+a partition is seeded (the partitions themselves follow each other in their fixed hash-range order). Within a partition, duplicates are marked, weights
 applied and the examples ordered by the seeded ``order_key``; packing then takes each partition whole.
 
 Determinism: every per-row decision is a hash of the row (split: the source sentence; partition: the
