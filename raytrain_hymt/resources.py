@@ -8,6 +8,7 @@ data pipeline and then hang. The decision is a pure function of plain dicts (``r
 from __future__ import annotations
 
 import logging
+from collections import Counter
 
 from raytrain_hymt.config import Config, ConfigError
 
@@ -45,7 +46,7 @@ def resource_shortfall(need_per_worker: dict, workers: int, total: dict, per_nod
     problems = []
     for name, amount in need.items():
         want, have = amount * workers, total.get(name, 0.0)
-        if have + 1e-9 >= want:
+        if _fits(total, {name: want}):
             continue
         if name == "GPU":
             what = f"scaling.use_gpu=true needs {_amount(want, name)} (scaling.num_workers={workers})"
@@ -62,10 +63,7 @@ def resource_shortfall(need_per_worker: dict, workers: int, total: dict, per_nod
     if not problems and not any(_fits(node, need) for node in per_node):
         # Ray places a worker on one node: enough in total is not enough when every node is too small.
         one = " and ".join(_amount(amount, name) for name, amount in need.items())
-        shapes: dict[str, int] = {}
-        for node in per_node:
-            shape = ", ".join(_amount(node.get(name, 0.0), name) for name in need)
-            shapes[shape] = shapes.get(shape, 0) + 1
+        shapes = Counter(", ".join(_amount(node.get(name, 0.0), name) for name in need) for node in per_node)
         nodes = "; ".join(f"{count} x {shape}" if count > 1 else shape for shape, count in shapes.items())
         place = "of this machine's Ray" if local else "of the cluster now"
         what = f"one training worker needs {one} on a single node, no node {place} has that (nodes: {nodes})"
