@@ -355,6 +355,10 @@ class RunConfig(_Section):
     """Export a Hugging Face model folder at the end of training."""
     seed: int = 0
     """Seed of model initialisation (tiny model) and dropout."""
+    allow_config_change: bool = False
+    """Resume a run although its config (or its data) differs from the one it started with in something
+    that changes the training trajectory (data, model, optimizer, schedule, batch). Off: such a resume
+    stops and names the differing fields. The differences are recorded either way."""
 
     @property
     def storage_path(self) -> str:
