@@ -3,8 +3,10 @@
     python jobs/benchmark.py --layers 32 --case tutorial-zero3 --case z2-flex-liger-compile-8k-a8 \
         --case z2-flex-liger-compile-8k-a8@torchrun --out bench_out
 
-Random-init Hunyuan-7B shape (tied 7.50 B; --untied: 8.03 B), pairs from the bundled Tatoeba sample through
-the Ray Data pipeline, TorchTrainer + DeepSpeed. Prints one JSON line per case and a Markdown table; both are
+Random-init Hunyuan-7B shape (tied 7.50 B; --untied: 8.03 B) saved as a model folder and loaded through
+``from_pretrained`` exactly as ``hymt train`` loads a real one; ``--case preset:hy-mt-7b-lora`` runs a
+preset's own settings. Pairs from the bundled Tatoeba sample through the Ray Data pipeline, TorchTrainer +
+DeepSpeed. Prints one JSON line per case and a Markdown table; both are
 also written under --out. Also runs under ``ray job submit`` (it joins the cluster in RAY_ADDRESS).
 """
 
@@ -34,6 +36,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="bench_out", help="folder for results.jsonl, table.md and the cases' files")
     p.add_argument("--set", dest="extra", action="append", default=[], help="override for every case (a.b=v)")
     p.add_argument("--check-mask", action="store_true", help="first check flex document masking on the GPU")
+    p.add_argument("--model-dir", default=None,
+                   help="model folder to load (written there first if missing; e.g. /dev/shm/hymt-7b on GPU "
+                        "machines); default: one under --out")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.check_mask:
@@ -42,7 +47,7 @@ def main(argv=None) -> int:
     cases = args.case or ["tutorial-zero3", "z2-flex-liger-compile-8k-a8", "z2-flex-liger-compile-8k-a8@torchrun"]
     results = run_benchmark(cases, shape=args.shape, layers=args.layers, tied=not args.untied, steps=args.steps,
                             warmup=args.warmup, workers=args.workers, use_gpu=not args.cpu, out_dir=args.out,
-                            extra=args.extra)
+                            extra=args.extra, model_dir=args.model_dir)
     print(markdown_table(results))
     return 1 if any("error" in r for r in results) else 0
 

@@ -26,6 +26,8 @@ from pathlib import Path
 log = logging.getLogger("raytrain_hymt")
 
 TORCHRUN_SUFFIX = "@torchrun"
+#: ``preset:NAME``: a case that runs the preset's own settings.
+PRESET_CASE = "preset"
 #: NVLink multicast stays off on shared GPU hosts (a program that uses it can take the host's GPUs down).
 SAFE_GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -70,6 +72,8 @@ class Case:
     name: str
     overrides: list[str]
     torchrun: bool = False
+    preset: str | None = None
+    """Run this preset's own settings (only the benchmark's bookkeeping below is overridden)."""
 
 
 def print_json_lines(rows: list[dict], out: str | None = None) -> None:
@@ -81,10 +85,14 @@ def print_json_lines(rows: list[dict], out: str | None = None) -> None:
 
 
 def parse_case(spec: str) -> Case:
-    """``NAME`` (one of :data:`CASES`), ``NAME:a.b=v,c.d=w`` (a new case), either with ``@torchrun``."""
+    """``NAME`` (one of :data:`CASES`), ``NAME:a.b=v,c.d=w`` (a new case), ``preset:PRESET[,a.b=v]`` (the
+    preset's own settings, e.g. ``preset:hy-mt-7b-lora``), each optionally with ``@torchrun``."""
     torchrun = spec.endswith(TORCHRUN_SUFFIX)
     body = spec[: -len(TORCHRUN_SUFFIX)] if torchrun else spec
     name, _, extra = body.partition(":")
+    if name == PRESET_CASE:
+        preset, *more = extra.split(",")
+        return Case(spec, [o for o in more if o], torchrun, preset=preset)
     if extra:
         return Case(spec, [o for o in extra.split(",") if o], torchrun)
     if name not in CASES:
@@ -92,15 +100,26 @@ def parse_case(spec: str) -> Case:
     return Case(spec, list(CASES[name]), torchrun)
 
 
+def bookkeeping_overrides(model: str, steps_total: int, workers: int, storage: str) -> list[str]:
+    """What every case overrides, preset cases included: the model folder, the step count, the workers,
+    no tracking/export/restarts, and data that repeats freely (the sample is repeated to fill the steps;
+    dedup would drop the repeats again)."""
+    return [
+        f"model.name_or_path={model}", "model.tokenizer=null", f"scaling.num_workers={workers}",
+        f"optim.max_steps={steps_total}", "tracking.enabled=false", "run.export=false",
+        "checkpoint.max_failures=0", f"checkpoint.every_steps={10**6}", f"eval.every_steps={10**6}",
+        f"run.storage_root={storage}", "data.dedup=false", "data.sources=[{path: 'sample:'}]",
+        "data.prepared_path=null",
+    ]
+
+
 def base_overrides(model: str, steps_total: int, workers: int, use_gpu: bool, storage: str) -> list[str]:
-    """Settings every case shares: the model, no tracking/export/checkpoints, data that repeats freely."""
+    """Settings the named cases share on top of the bookkeeping: precision, a constant rate, 4096-token rows."""
     gpu = [f"scaling.use_gpu={str(use_gpu).lower()}", f"deepspeed.precision={'bf16' if use_gpu else 'fp32'}"]
     return [
-        f"model.name_or_path={model}", "model.tokenizer=tiny", *gpu, f"scaling.num_workers={workers}",
-        f"optim.max_steps={steps_total}", "optim.warmup_steps=0", "optim.schedule=constant",
-        "tracking.enabled=false", "run.export=false", "checkpoint.max_failures=0", f"run.storage_root={storage}",
-        # The sample corpus is repeated to fill the steps; dedup would drop the repeats again.
-        "data.dedup=false", "data.pack_tokens=4096", "data.max_example_tokens=256", "data.val_fraction=0.02",
+        *bookkeeping_overrides(model, steps_total, workers, storage), *gpu,
+        "optim.warmup_steps=0", "optim.schedule=constant",
+        "data.pack_tokens=4096", "data.max_example_tokens=256", "data.val_fraction=0.02",
     ]
 
 
@@ -209,7 +228,8 @@ def bench_loop(loop_config: dict, context=None, shard=None) -> None:
                      m["train/tokens_per_s_per_worker"], m["train/loss"])
         if len(steps) >= bench["warmup"] + bench["steps"]:
             break
-    peak = torch.tensor([m["train/memory_gib"]], dtype=torch.float64, device=w.device)
+    peak = torch.tensor([m["train/memory_gib"], m.get("train/memory_reserved_gib", 0.0)], dtype=torch.float64,
+                        device=w.device)
     if dist.is_initialized():
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if w.rank == 0:
@@ -221,7 +241,8 @@ def bench_loop(loop_config: dict, context=None, shard=None) -> None:
             "layout": (f"packed {cfg.data.pack_tokens}" if cfg.data.packing else "padded") + f" {cfg.model.attn_implementation}",
             "fused_loss": cfg.model.fused_loss, "compile": cfg.model.compile,
             "activation_checkpointing": cfg.deepspeed.activation_checkpointing,
-            "params": w.shape[0], "layers": w.shape[1], "peak_memory_gib": float(peak.item()),
+            "params": w.shape[0], "layers": w.shape[1], "peak_memory_gib": float(peak[0]), "peak_reserved_gib": float(peak[1]),
+            "lora": cfg.lora.enabled, "preset": cfg.preset,
             "build_s": build_s, "device": torch.cuda.get_device_name(w.device) if w.device.type == "cuda" else "cpu",
             "losses": [s["loss"] for s in steps], "step_times_s": [s["step_s"] for s in steps],
             "wall_times_s": [s["wall_s"] for s in steps], "overrides": bench["overrides"],
@@ -262,18 +283,32 @@ def _torchrun_worker(spec_path: str) -> None:
 # --- the driver ----------------------------------------------------------------------------------------
 
 
-def model_name(shape: str, layers: int, tied: bool, workdir: Path) -> str:
-    """``model.name_or_path`` of the benchmark model: ``tiny``, or ``random:<config.json>`` of the
-    Hunyuan-7B shape with ``layers`` layers (written to ``workdir``)."""
-    from raytrain_hymt.model import RANDOM_PREFIX, hunyuan_7b_config
+def model_folder(shape: str, layers: int, tied: bool, workdir: Path, use_gpu: bool, folder: str | None = None) -> str:
+    """The benchmark model as a model folder that ``from_pretrained`` loads, exactly as ``hymt train``
+    loads a real one (a model built from its config would train in train mode and hide what a loaded one
+    does): ``folder`` when given and present, else a random-init one written once (the tiny shape, or the
+    Hunyuan-7B shape with ``layers`` layers, in bf16) to ``folder`` or under ``workdir``."""
+    from raytrain_hymt.model import RANDOM_PREFIX, TINY_MODEL, hunyuan_7b_config, load_model, load_tokenizer
 
-    if shape == "tiny":
-        return "tiny"
-    if shape != "7b":
+    if shape not in ("7b", "tiny"):
         raise ValueError(f"--shape {shape!r}: expected 7b or tiny")
-    path = workdir / f"hunyuan-7b-{layers}l-{'tied' if tied else 'untied'}.json"
-    path.write_text(json.dumps(hunyuan_7b_config(layers=layers, tie_word_embeddings=tied)))
-    return f"{RANDOM_PREFIX}{path}"
+    name = "tiny" if shape == "tiny" else f"hunyuan-7b-{layers}l-{'tied' if tied else 'untied'}"
+    target = Path(folder) if folder else workdir / name
+    if (target / "config.json").exists():
+        return str(target)
+    import torch
+
+    tok = load_tokenizer(TINY_MODEL)
+    if shape == "tiny":
+        model = load_model(TINY_MODEL, tok)
+    else:
+        spec = workdir / f"{name}.json"
+        spec.write_text(json.dumps(hunyuan_7b_config(layers=layers, tie_word_embeddings=tied)))
+        model = load_model(f"{RANDOM_PREFIX}{spec}", tok, dtype=torch.bfloat16, device="cuda" if use_gpu else "cpu")
+    model.save_pretrained(target)
+    tok.save_pretrained(target)
+    del model
+    return str(target)
 
 
 def repeat_sources(cfg, copies: int) -> None:
@@ -337,7 +372,7 @@ def _run_torchrun(cfg, train, loop_inputs: dict, workdir: Path, global_rows: int
 
 def run_benchmark(case_specs: list[str], *, shape: str = "7b", layers: int = 32, tied: bool = True,
                   steps: int = 10, warmup: int = 3, workers: int = 2, use_gpu: bool = True,
-                  out_dir: str | Path = "bench_out", extra: list[str] = ()) -> list[dict]:
+                  out_dir: str | Path = "bench_out", extra: list[str] = (), model_dir: str | None = None) -> list[dict]:
     """Run every case in turn; append one JSON line per case to ``<out_dir>/results.jsonl`` and write
     ``<out_dir>/table.md``. A failing case (e.g. out of memory) is recorded with its error; the rest run."""
     from raytrain_hymt.config import load_config
@@ -349,12 +384,18 @@ def run_benchmark(case_specs: list[str], *, shape: str = "7b", layers: int = 32,
     if use_gpu:
         for key, value in SAFE_GPU_ENV.items():  # inherited by Ray's and torchrun's workers
             os.environ.setdefault(key, value)
-    model = model_name(shape, layers, tied, out)
-    base = base_overrides(model, warmup + steps, workers, use_gpu, str(out / "runs"))
+    model = model_folder(shape, layers, tied, out, use_gpu, model_dir)
     data_cache: dict[str, tuple] = {}
     results = []
     for case in cases:
-        cfg = load_config(None, [*base, *case.overrides, *extra])
+        if case.preset:  # the preset as users run it: only the bookkeeping (and --set) changes
+            overrides = bookkeeping_overrides(model, warmup + steps, workers, str(out / "runs"))
+            if not use_gpu:
+                overrides += ["scaling.use_gpu=false", "deepspeed.precision=fp32", "model.attn_implementation=sdpa",
+                              "model.fused_loss=false", "model.compile=false"]
+        else:
+            overrides = base_overrides(model, warmup + steps, workers, use_gpu, str(out / "runs"))
+        cfg = load_config(case.preset, [*overrides, *case.overrides, *extra])
         cfg.run.name = f"bench-{_slug(case.name)}-{int(time.time())}"
         init_ray(cfg)
         opt = cfg.optim

@@ -1,9 +1,10 @@
-"""Checkpoints: every rank's DeepSpeed shard + the run state, atomic by markers; export to Hugging Face.
+"""Checkpoints: every rank's DeepSpeed shard + the run state, atomic by markers (export: ``export.py``).
 
 Layout of one checkpoint (Ray merges the folder each rank reports into one):
     state.json                 step, epoch, data position, world size, tag, tracking run id (rank 0)
     hf/                        model config + tokenizer, so export needs nothing but this folder (rank 0)
-    <tag>/...                  DeepSpeed's files: model states, each rank's optimizer shard
+    <tag>/...                  DeepSpeed's files: model states, each rank's optimizer shard (LoRA: the
+                               adapters only; the frozen base is rebuilt from ``state.base_model``)
     rng/rank<R>.pt             each rank's RNG states
     complete/rank<R>           written last by each rank: the sizes of every file that rank wrote
 
@@ -15,14 +16,12 @@ was cut off leaves a short file behind.
 
 from __future__ import annotations
 
-import contextlib
-import io
+import hashlib
 import json
 import logging
 import os
 import random
 import re
-import shutil
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -39,8 +38,6 @@ CHECKPOINT_DIR_RE = re.compile(r"^checkpoint_step(\d{8})(?:-g(\d+))?$")
 #: peft's adapter config, saved into ``hf/`` by LoRA runs: export merges the adapters with it.
 LORA_CONFIG_FILE = "adapter_config.json"
 
-# The model card's suggested sampling (FACTS.md); written into the exported generation_config.json.
-GENERATION_DEFAULTS = {"do_sample": True, "top_k": 20, "top_p": 0.6, "repetition_penalty": 1.05, "temperature": 0.7}
 
 
 class IncompleteCheckpointError(RuntimeError):
@@ -62,8 +59,14 @@ class RunState:
     global_rows: int = 0
     """Rows per optimizer step (workers × accumulation × micro-batch); the data position counts these."""
     generation: int = 0
-    """Times the run fell back to a checkpoint older than Ray's latest; part of the folder name, so a
-    re-saved step never lands in the folder of a rejected checkpoint Ray still tracks (and deletes)."""
+    """Part of the folder name once the run fell back to a checkpoint older than Ray's latest: 1 + the
+    highest generation in storage, so a re-saved step never lands in the folder of a rejected checkpoint
+    Ray still tracks (and deletes)."""
+    precision: str = "bf16"
+    """Training precision; ``hymt export`` writes fp32 runs in fp32, the others in bf16."""
+    base_model: dict | None = None
+    """LoRA runs: the identity of the frozen base (``base_identity``). Their checkpoints hold only the
+    adapters, so resume and export rebuild the base from it and refuse another one."""
 
 
 class ResumeMismatchError(ValueError):
@@ -104,9 +107,13 @@ def _file_sizes(folder: Path) -> dict[str, int]:
 
 
 def save_rank_checkpoint(engine, state: RunState, rank: int, tokenizer=None) -> str:
-    """Write this rank's part of a checkpoint into a fresh temp folder and return it."""
+    """Write this rank's part of a checkpoint into a fresh temp folder and return it.
+
+    LoRA runs (``state.base_model`` set) leave the frozen base out: the checkpoint is the adapters with
+    their optimizer states, megabytes instead of the whole model twice over.
+    """
     folder = tempfile.mkdtemp(prefix=f"hymt-ckpt-r{rank}-")
-    engine.save_checkpoint(folder, tag=state.tag)
+    engine.save_checkpoint(folder, tag=state.tag, exclude_frozen_parameters=state.base_model is not None)
     rng = Path(folder, "rng")
     rng.mkdir()
     torch.save(
@@ -118,7 +125,7 @@ def save_rank_checkpoint(engine, state: RunState, rank: int, tokenizer=None) -> 
         Path(folder, STATE_FILE).write_text(json.dumps(asdict(state), indent=1))
         hf = Path(folder, HF_DIR)
         engine.module.config.save_pretrained(hf)
-        if hasattr(engine.module, "peft_config"):  # LoRA: export merges the adapters (export_hf)
+        if hasattr(engine.module, "peft_config"):  # LoRA: export merges the adapters onto the base
             engine.module.peft_config["default"].save_pretrained(hf)
         if tokenizer is not None:
             tokenizer.save_pretrained(hf)
@@ -203,7 +210,9 @@ def restore_rank(engine, folder: str, rank: int) -> RunState:
     """
     with open(Path(folder, STATE_FILE)) as f:
         state = RunState(**json.load(f))
-    load_path, _ = engine.load_checkpoint(folder, tag=state.tag, load_lr_scheduler_states=True)
+    # A LoRA checkpoint has no frozen weights: those stay as loaded from the base (checked: base_model).
+    load_path, _ = engine.load_checkpoint(folder, tag=state.tag, load_lr_scheduler_states=True,
+                                          load_module_strict=state.base_model is None)
     if load_path is None:
         raise IncompleteCheckpointError(f"{folder}: DeepSpeed found no checkpoint under tag {state.tag}")
     rng = torch.load(Path(folder, "rng", f"rank{rank}.pt"), weights_only=False)
@@ -214,73 +223,59 @@ def restore_rank(engine, folder: str, rank: int) -> RunState:
     return state
 
 
-def full_state_dict(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """Consolidated fp32 weights of a checkpoint, from any ZeRO stage."""
-    state = read_state(folder)
-    if state.zero_stage == 0:
-        files = sorted(Path(folder, state.tag).glob("mp_rank_*_model_states.pt"))
-        return torch.load(files[0], map_location="cpu", weights_only=False)["module"]
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+def next_generation(fs, run_path: str) -> int:
+    """1 + the highest checkpoint generation in the run folder ``run_path``: a fallback then never
+    recomputes the name of a folder that still exists."""
+    import pyarrow.fs
 
-    # zero_to_fp32 prints its progress; keep it out of the user's console.
-    with contextlib.redirect_stdout(io.StringIO()):
-        return get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=state.tag)
+    orders = [_dir_order(i.base_name) for i in fs.get_file_info(pyarrow.fs.FileSelector(run_path))]
+    return 1 + max((o[1] for o in orders if o), default=0)
 
 
-def _check_export_target(out: Path) -> None:
-    """Refuse to replace a folder that is not an exported model (export swaps the whole folder)."""
-    if out.exists() and any(out.iterdir()) and not (out / "config.json").exists():
-        raise FileExistsError(f"{out} exists and is not a model folder; export to a new or empty folder")
+def base_identity(name_or_path: str, seed: int) -> dict:
+    """What makes a LoRA run's frozen base this base: its config and a hash of its weight index.
+
+    A folder: sha256 of ``config.json`` and of the safetensors index (or of each shard's header, which
+    lists every tensor's name, shape and offsets). The tiny model: its seed. A hub id: its name only
+    (resolving a revision needs the network).
+    """
+    from raytrain_hymt.model import TINY_MODEL
+
+    if name_or_path == TINY_MODEL:
+        return {"name_or_path": TINY_MODEL, "seed": seed}
+    folder = Path(name_or_path)
+    if not folder.is_dir():
+        return {"name_or_path": name_or_path}
+    digest = hashlib.sha256()
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        digest.update(index.read_bytes())
+    else:
+        for file in sorted(folder.glob("*.safetensors")):
+            with open(file, "rb") as f:
+                head = f.read(8)
+                digest.update(head + f.read(int.from_bytes(head, "little")))
+    config = (folder / "config.json").read_bytes() if (folder / "config.json").exists() else b""
+    return {"name_or_path": str(folder.resolve()), "config_sha256": hashlib.sha256(config).hexdigest(),
+            "weights_sha256": digest.hexdigest()}
 
 
-def export_hf(folder: str | os.PathLike, out_dir: str | os.PathLike, dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Write a Hugging Face model folder (safetensors, config, tokenizer, generation config) from a checkpoint."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-
-    read_state(folder)  # "not a (whole) checkpoint" before anything else, never a hub lookup of a typo
-    out = Path(out_dir)
-    _check_export_target(out)
-    hf = Path(folder, HF_DIR)
-    config = AutoConfig.from_pretrained(hf)
-    weights = full_state_dict(folder)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    lora = (hf / LORA_CONFIG_FILE).exists()
-    if lora:
-        from peft import LoraConfig, get_peft_model
-
-        model = get_peft_model(model, LoraConfig.from_pretrained(hf))
-        # Frozen base weights come back in the training dtype: merge in fp32, round once at the end.
-        weights = {k: v.float() if v.is_floating_point() else v for k, v in weights.items()}
-    missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
-    tied = {k for k in missing if k.endswith("lm_head.weight")} if config.tie_word_embeddings else set()
-    if set(missing) - tied or unexpected:
-        raise RuntimeError(f"{folder}: checkpoint does not match its model config: missing {missing}, unexpected {unexpected}")
-    if lora:
-        # W + B·A·alpha/r into each target layer, adapters dropped: the export is a plain model.
-        model = model.merge_and_unload()
-    if tied:
-        model.tie_weights()
-    model = model.to(dtype)
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    if (hf / "tokenizer_config.json").exists():
-        AutoTokenizer.from_pretrained(hf).save_pretrained(tmp)
-    GenerationConfig(
-        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
-        **GENERATION_DEFAULTS,
-    ).save_pretrained(tmp)
-    # Swap in whole: a reader never sees a half-written model folder.
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return out
+class BaseModelMismatchError(ValueError):
+    """A LoRA checkpoint used with a base model other than the one it was trained on."""
 
 
-def export_checkpoint(folder: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
-    """``hymt export``: export in the precision the run trained in (fp32 runs stay fp32, else bf16)."""
-    import yaml
+def check_base_model(saved: dict | None, doing: str, name_or_path: str | None = None, seed: int | None = None) -> None:
+    """Refuse ``doing`` (resume, export) with another base than the LoRA checkpoint's ``saved`` one.
 
-    run_config = Path(folder).parent / "config.yaml"
-    precision = yaml.safe_load(run_config.read_text())["deepspeed"]["precision"] if run_config.exists() else "bf16"
-    return export_hf(folder, out_dir, dtype=torch.float32 if precision == "fp32" else torch.bfloat16)
+    ``name_or_path``/``seed``: the base about to be used (default: the saved path, as it is now).
+    """
+    if saved is None:
+        raise BaseModelMismatchError(f"{doing}: the checkpoint records no base model (saved by an older version)")
+    now = base_identity(name_or_path or saved["name_or_path"], saved.get("seed", 0) if seed is None else seed)
+    if now != saved:
+        changed = sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k))
+        raise BaseModelMismatchError(
+            f"{doing}: the LoRA adapters were trained on base {saved['name_or_path']!r}, but the base is now "
+            f"{now['name_or_path']!r} and differs in {', '.join(changed)}. LoRA checkpoints hold only the "
+            "adapters: point model.name_or_path at the original base, or start a new run (another --name)"
+        )

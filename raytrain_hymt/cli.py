@@ -50,11 +50,15 @@ def cmd_prepare(args) -> int:
 
 
 def cmd_export(args) -> int:
-    """Export a Hugging Face model folder from any checkpoint."""
-    from raytrain_hymt.checkpoint import export_checkpoint
+    """Export a Hugging Face model folder from any checkpoint (in a Ray task, streaming shard by shard)."""
+    from raytrain_hymt.export_task import export_stored_checkpoint
 
-    out = export_checkpoint(args.checkpoint, args.out)
-    print(f"exported {args.checkpoint} to {out}  (AutoModelForCausalLM.from_pretrained loads it)")
+    out, peak_gib = export_stored_checkpoint(args.checkpoint, args.out, max_shard_mb=args.max_shard_mb,
+                                             adapter_out=args.adapter)
+    print(f"exported {args.checkpoint} to {out}  (AutoModelForCausalLM.from_pretrained loads it; "
+          f"peak memory of the export task {peak_gib:.2f} GiB)")
+    if args.adapter:
+        print(f"LoRA adapters alone: {args.adapter}  (adapter_config.json + adapter_model.safetensors)")
     return 0
 
 
@@ -107,7 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.set_defaults(func=cmd_prepare)
     export = sub.add_parser("export", help="export a Hugging Face model folder from a checkpoint")
     export.add_argument("checkpoint", help="a checkpoint_step* folder of a run")
-    export.add_argument("out", help="output folder")
+    export.add_argument("out", help="output folder or URI")
+    export.add_argument("--max-shard-mb", type=int, default=5000, help="largest safetensors shard, in MB")
+    export.add_argument("--adapter", default=None, metavar="DIR",
+                        help="LoRA runs: also write the adapter-only PEFT folder here (vLLM/TGI serve it on the base)")
     export.set_defaults(func=cmd_export)
     evaluate = sub.add_parser("evaluate", help="BLEU/chrF on a test set (e.g. FLORES-200 devtest)")
     _config_args(evaluate)

@@ -226,9 +226,9 @@ class CheckpointConfig(_Section):
     every_steps: int = Field(50, ge=1)
     """Save a checkpoint every this many optimizer steps (and always at the end). A failure loses at most
     this many steps of work."""
-    num_to_keep: int = Field(2, ge=1)
-    """Checkpoints kept in storage (the newest). Keep at least 2: when the newest was cut off mid-write,
-    the run resumes from the one before."""
+    num_to_keep: int = 2
+    """Checkpoints kept in storage (the newest), at least 2: when the newest was cut off mid-write, the
+    run resumes from the one before."""
     max_failures: int = Field(1, ge=-1)
     """Worker-group restarts allowed before the job fails (-1: unlimited). Each restart resumes from the
     latest whole checkpoint."""
@@ -240,6 +240,16 @@ class CheckpointConfig(_Section):
     """A step whose loss or gradient norm is NaN/inf: ``skip`` discards the step's update (the batch is
     consumed, counted in ``train/skipped_steps`` and logged); ``fail`` stops the run with an error naming
     the step and rank. Either way the optimizer update never happens."""
+
+
+    @model_validator(mode="after")
+    def _check(self) -> CheckpointConfig:
+        if self.num_to_keep < 2:
+            raise ValueError(
+                f"checkpoint.num_to_keep must be at least 2 (got {self.num_to_keep}): when the newest checkpoint "
+                "was cut off mid-write, the run resumes from the one before, which must still exist"
+            )
+        return self
 
 
 class TrackingConfig(_Section):
@@ -352,7 +362,11 @@ class RunConfig(_Section):
     name: str | None = None
     """Run name; None: ``<preset>-<timestamp>``. Running again with the same name resumes the run."""
     export: bool = True
-    """Export a Hugging Face model folder at the end of training."""
+    """Export a Hugging Face model folder (``<run folder>/model``) at the end of training. The training
+    workers write it straight to storage; the driver never loads the weights."""
+    export_shard_mb: int = Field(5000, ge=1)
+    """Largest safetensors shard of an export, in MB (a single larger tensor gets a shard of its own). The
+    exporting process holds at most one shard in memory."""
     seed: int = 0
     """Seed of model initialisation (tiny model) and dropout."""
     allow_config_change: bool = False

@@ -10,8 +10,12 @@ step K. With ``once``, a fault fires only if the marker file does not exist yet 
 the restarted attempt runs through.
 
 ``HYMT_RECORD_DIR``: each rank appends one JSON line per step to ``<dir>/rank<R>.jsonl``: the step, the
-example ids of its slice, the loss, whether the update was skipped, the sum of the model's weights and
-the Ray node it ran on and the wall-clock time.
+example ids of its slice, the loss, whether the update was skipped, the sum of the model's weights, the
+Ray node it ran on and the wall-clock time, and how many decoder-layer forwards the step ran and whether
+every module was in training mode during them (``watch_layers``: two forwards per layer and micro-step
+show that activation checkpointing really recomputes).
+
+Both cost nothing when their variable is unset: each function returns at its first line.
 """
 
 from __future__ import annotations
@@ -79,8 +83,37 @@ def nan_loss(module, step: int, rank: int):
         handle.remove()
 
 
-def record_step(rank: int, step: int, example_ids: list[int], loss: float, skipped: bool, module) -> None:
-    """Append this rank's line for ``step`` to ``$HYMT_RECORD_DIR/rank<R>.jsonl`` (no-op when unset)."""
+@contextlib.contextmanager
+def watch_layers(module):
+    """While active (only with ``HYMT_RECORD_DIR``), count the decoder layers' forwards (recomputations
+    included) and note whether every module of each layer was in training mode; yields the tally."""
+    seen = {"layer_forwards": 0, "training": True}
+    if not os.environ.get(RECORD_ENV):
+        yield seen
+        return
+
+    layers = [m for m in module.modules() if type(m).__name__.endswith("DecoderLayer")]
+
+    def count(layer):
+        def hook(_mlp, _args):
+            seen["layer_forwards"] += 1
+            seen["training"] = seen["training"] and all(m.training for m in layer.modules())
+        return hook
+
+    # Each layer's MLP, not the layer itself: transformers checkpoints the layer's own forward, so a
+    # recomputation in backward runs the layer's children again but never the layer's forward hooks.
+    handles = [layer.mlp.register_forward_pre_hook(count(layer)) for layer in layers]
+    try:
+        yield seen
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def record_step(rank: int, step: int, example_ids: list[int], loss: float, skipped: bool, module,
+                layers: dict | None = None) -> None:
+    """Append this rank's line for ``step`` to ``$HYMT_RECORD_DIR/rank<R>.jsonl`` (no-op when unset);
+    ``layers``: the tally of ``watch_layers`` during the step."""
     folder = os.environ.get(RECORD_ENV)
     if not folder:
         return
@@ -92,7 +125,7 @@ def record_step(rank: int, step: int, example_ids: list[int], loss: float, skipp
 
     line = {"step": step, "example_ids": sorted(int(e) for e in example_ids), "loss": loss,
             "skipped": skipped, "weight_sum": weight_sum, "node": ray.get_runtime_context().get_node_id(),
-            "pid": os.getpid(), "time": time.time()}
+            "pid": os.getpid(), "time": time.time(), **(layers or {})}
     Path(folder).mkdir(parents=True, exist_ok=True)
     # One open/write/close per line: a SIGKILL right after loses nothing already recorded.
     with open(Path(folder, f"rank{rank}.jsonl"), "a") as f:

@@ -45,6 +45,10 @@ class RunFolder:
         """Whether ``local`` is a staging copy (storage is a URI) rather than the run folder itself."""
         return self.local != Path(self.path)
 
+    def location(self, name: str) -> str:
+        """Where ``<run folder>/name`` is: a local path, or a URI when storage is remote."""
+        return f"{self.uri}/{name}" if self.remote else str(Path(self.path, name))
+
     def read_text(self, name: str) -> str | None:
         """The text of ``<run folder>/name``, or None when there is no such file."""
         import pyarrow.fs
@@ -72,18 +76,21 @@ class RunFolder:
         if text is not None:
             (self.local / name).write_text(text, encoding="utf-8")
 
-    def push(self, name: str) -> str:
-        """Copy ``local/name`` (a file or folder) into the run folder when storage is remote; its URI/path."""
+    def push(self, name: str, source: Path | None = None) -> str:
+        """Copy ``local/name`` (a file or folder; or ``source``, e.g. a worker's own staging copy) into the
+        run folder when storage is remote; its URI/path. A missing source is skipped."""
         if not self.remote:
             return str(self.local / name)
         import pyarrow.fs
 
-        source = self.local / name
+        source = source or self.local / name
         target = f"{self.path}/{name}"
         if source.is_dir():
             self.fs.create_dir(target, recursive=True)  # a local destination needs its folder first
             pyarrow.fs.copy_files(str(source), target, source_filesystem=pyarrow.fs.LocalFileSystem(),
                                   destination_filesystem=self.fs)
-        else:
-            self.write_text(name, source.read_text(encoding="utf-8"))
+        elif source.is_file():
+            self.fs.create_dir(self.path, recursive=True)
+            pyarrow.fs.copy_files(str(source), target, source_filesystem=pyarrow.fs.LocalFileSystem(),
+                                  destination_filesystem=self.fs)
         return f"{self.uri}/{name}"

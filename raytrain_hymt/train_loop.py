@@ -14,6 +14,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -22,6 +23,12 @@ from raytrain_hymt.config import Config
 from raytrain_hymt.errors import NonFiniteError
 
 log = logging.getLogger("raytrain_hymt")
+
+#: Names inside a run folder written by the workers: the exported model, rank 0's metric copies.
+MODEL_DIR = "model"
+ADAPTER_DIR = "adapter"
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
 
 
 @dataclass
@@ -91,12 +98,14 @@ def _drop_nonfinite_grads(module, device) -> bool:
     return bool(bad)
 
 
-def _memory_gib(device) -> float:
+def _memory_gib(device) -> dict[str, float]:
+    """Peak memory so far: on a GPU allocated and reserved (what the card must hold), on a CPU the RSS."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
+        return {"train/memory_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+                "train/memory_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30}
     import psutil
 
-    return psutil.Process().memory_info().rss / 2**30
+    return {"train/memory_gib": psutil.Process().memory_info().rss / 2**30}
 
 
 def _forward_loss(engine, batch: dict, fused: bool = False) -> torch.Tensor:
@@ -139,6 +148,7 @@ class Worker:
         self.global_rows = self.world * opt.grad_accum * opt.micro_batch_size
 
     def build(self) -> None:
+        from raytrain_hymt.checkpoint import base_identity
         from raytrain_hymt.engine import initialize_engine
         from raytrain_hymt.metrics import matmul_params, peak_flops
         from raytrain_hymt.model import load_model, load_tokenizer, use_fused_loss
@@ -158,6 +168,10 @@ class Worker:
         self.engine, self.ds_config = initialize_engine(
             model, cfg, self.world, self.total_steps, on_gpu=self.device.type == "cuda"
         )
+        # from_pretrained returns a model in eval mode, where transformers skips activation checkpointing
+        # and dropout: every model source trains in train mode from the first step.
+        self.engine.train()
+        self.base_model = base_identity(cfg.model.name_or_path, cfg.run.seed) if cfg.lora.enabled else None
         if self.rank == 0:
             trainable = sum(p.numel() for p in self.engine.module.parameters() if p.requires_grad)
             log.info("ZeRO-%d, %s, trainable parameters: %s (LoRA %s)", cfg.deepspeed.zero_stage,
@@ -196,8 +210,10 @@ class Worker:
 
         from raytrain_hymt.checkpoint import (
             IncompleteCheckpointError,
+            check_base_model,
             check_checkpoint,
             check_same_shape,
+            next_generation,
             older_checkpoints,
             restore_rank,
         )
@@ -216,6 +232,9 @@ class Worker:
                     log.warning("not resuming from %s", e)
                 continue
             check_same_shape(saved, self.world, self.global_rows, self.cfg.deepspeed.zero_stage)
+            if self.base_model is not None:
+                check_base_model(saved.base_model, f"resuming from {path}", self.cfg.model.name_or_path,
+                                 self.cfg.run.seed)
             error = None
             try:
                 with ray.train.Checkpoint(path, filesystem=fs).as_directory() as folder:
@@ -228,7 +247,8 @@ class Worker:
                 if self.rank == 0:
                     log.info("resumed from %s at step %d", path, state.step)
                 if path != latest.path:
-                    state.generation += 1
+                    state.generation = next_generation(fs, path.rstrip("/").rsplit("/", 1)[0])
+                self.engine.train()  # as after build: a restored run trains exactly like an uninterrupted one
                 return state
             rejected.append(error or f"{path}: {int(failed_ranks)} rank(s) could not load it")
         raise IncompleteCheckpointError(
@@ -287,7 +307,7 @@ class Worker:
             "train/tokens_per_s_per_worker": global_tokens / seconds / self.world,
             "train/target_tokens": global_targets,
             "train/step_time_s": seconds,
-            "train/memory_gib": _memory_gib(self.device),
+            **_memory_gib(self.device),
             "train/skipped": float(skipped),
         }
         util = mfu(flops, seconds, self.world, self.peak)
@@ -320,6 +340,40 @@ class Worker:
         self.engine.train()
         total_loss, total_tokens = _all_reduce_sum([loss, tokens], self.device)
         return total_loss / total_tokens if total_tokens else None
+
+
+    def export(self) -> str | None:
+        """Write the trained model to ``<run folder>/model`` from the workers (every rank takes part; rank
+        0 writes and returns where it is), and for LoRA the adapters alone to ``<run folder>/adapter``.
+        The driver never loads the weights."""
+        from raytrain_hymt.export import export_from_engine
+        from raytrain_hymt.storage import RunFolder
+
+        cfg = self.cfg
+        dtype = torch.float32 if cfg.deepspeed.precision == "fp32" else torch.bfloat16
+        t0 = time.perf_counter()
+        folder = RunFolder(cfg.run.storage_path, cfg.run.name, create=False)
+        adapter = folder.location(ADAPTER_DIR) if cfg.lora.enabled else None
+        where = export_from_engine(self.engine, self.tokenizer, folder.location(MODEL_DIR), dtype,
+                                   cfg.run.export_shard_mb * 10**6, self.rank, adapter_out=adapter)
+        if self.rank == 0:
+            log.info("exported the model to %s in %.0f s", where, time.perf_counter() - t0)
+        return where
+
+    def publish_local_files(self) -> None:
+        """On a URI storage root, copy rank 0's local ``metrics.jsonl`` and TensorBoard files into the run
+        folder (on a local root they are written there already)."""
+        from raytrain_hymt.storage import RunFolder, is_uri
+
+        cfg = self.cfg
+        if not is_uri(cfg.run.storage_path):
+            return
+        folder = RunFolder(cfg.run.storage_path, cfg.run.name, create=False)
+        for name in (METRICS_FILE, TENSORBOARD_DIR):
+            try:
+                folder.push(name, source=Path(self.inputs.run_dir) / name)
+            except Exception as e:  # noqa: BLE001 - the run's result does not depend on its log copy
+                log.warning("could not copy %s to %s: %s", name, folder.uri, e)
 
 
 def _rank_example_ids(global_batch: dict, rank: int, world: int, grad_accum: int, micro_batch: int) -> list[int]:
@@ -378,14 +432,14 @@ def train_loop(loop_config: dict) -> None:
                 if index < skip:
                     continue
                 faults.before_step(step + 1, w.rank)
-                with faults.nan_loss(w.engine.module, step + 1, w.rank):
+                with faults.nan_loss(w.engine.module, step + 1, w.rank), faults.watch_layers(w.engine.module) as layers:
                     metrics = w.train_step(global_batch)
                 step += 1
                 skipped = bool(metrics.pop("train/skipped"))
                 skipped_steps += skipped
                 metrics["train/skipped_steps"] = skipped_steps
                 faults.record_step(w.rank, step, _rank_example_ids(global_batch, w.rank, w.world, opt.grad_accum,
-                                   opt.micro_batch_size), metrics["train/loss"], skipped, w.engine.module)
+                                   opt.micro_batch_size), metrics["train/loss"], skipped, w.engine.module, layers)
                 if skipped and w.rank == 0:
                     log.warning("step %d: loss %s, gradient norm %s: update skipped (%d skipped so far)",
                                 step, metrics["train/loss"], metrics["train/grad_norm"], skipped_steps)
@@ -398,15 +452,20 @@ def train_loop(loop_config: dict) -> None:
                     tracker.log_metrics(metrics, step=step)
                 # The console gets about ten progress lines a run (MLflow gets every logged step).
                 if w.rank == 0 and (step == 1 or step % console_every == 0 or "val/loss" in metrics or last):
-                    extra = f" val {val_loss:.4f}" if "val/loss" in metrics else ""
-                    log.info("step %d/%d loss %.4f%s lr %.2e grad %.3f %.0f tok/s/worker", step, w.total_steps,
-                             metrics["train/loss"], extra, metrics["train/lr"], metrics["train/grad_norm"],
-                             metrics["train/tokens_per_s_per_worker"])
+                    val = f" val {val_loss:.4f}" if "val/loss" in metrics else ""
+                    memory = ""
+                    if "train/memory_reserved_gib" in metrics:  # what the card must hold, peak so far
+                        memory = (f", GPU memory peak {metrics['train/memory_gib']:.1f} GiB allocated, "
+                                  f"{metrics['train/memory_reserved_gib']:.1f} reserved")
+                    log.info("step %d/%d loss %.4f%s lr %.2e grad %.3f %.0f tok/s/worker%s", step, w.total_steps,
+                             metrics["train/loss"], val, metrics["train/lr"], metrics["train/grad_norm"],
+                             metrics["train/tokens_per_s_per_worker"], memory)
                 if step % cfg.checkpoint.every_steps == 0 or last:
                     run_state = RunState(step=step, epoch=epoch, batch_in_epoch=index + 1, world_size=w.world,
                                          tag=step_tag(step), zero_stage=cfg.deepspeed.zero_stage,
                                          tracking_run_id=inputs.tracking_run_id, skipped_steps=skipped_steps,
-                                         global_rows=global_rows, generation=generation)
+                                         global_rows=global_rows, generation=generation,
+                                         precision=cfg.deepspeed.precision, base_model=w.base_model)
                     folder = save_rank_checkpoint(w.engine, run_state, w.rank, w.tokenizer)
                     report = {"step": step, "train_loss": metrics["train/loss"], "skipped_steps": skipped_steps}
                     if "val/loss" in metrics:  # only this step's: an older validation would mislead ASHA
@@ -425,6 +484,10 @@ def train_loop(loop_config: dict) -> None:
                 epoch, skip = epoch + 1, 0
                 continue
             break
+        if cfg.run.export:
+            w.export()
     finally:
         # Flush rank 0's queued metrics and close its files on every path, failures included.
         tracker.close()
+        if w.rank == 0:
+            w.publish_local_files()

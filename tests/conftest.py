@@ -52,6 +52,24 @@ def tiny_overrides(storage: Path, **extra: object) -> list[str]:
     return [f"{k}={v}" for k, v in values.items()]
 
 
+def save_model_folder(folder: Path, **shape: object) -> str:
+    """A model folder of the tiny architecture (seed 0; ``shape`` overrides its config, e.g. a larger
+    ``hidden_size``), saved with the tiny tokenizer: what ``from_pretrained`` loads, the path every real
+    run takes (a model built from its config is in train mode, a loaded one is not)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from raytrain_hymt.model import load_tokenizer, padded_vocab_size, tiny_model_config
+
+    tok = load_tokenizer("tiny")
+    torch.manual_seed(0)
+    config = tiny_model_config(padded_vocab_size(tok), pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+                               eos_token_id=tok.eos_token_id, **shape)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(folder)
+
+
 #: The end-of-run test set of ``finished_run``: FLORES-200 devtest, 4 sentences each way, short outputs.
 E2E_EVAL = {"eval.directions": "[en-zh, zh-en]", "eval.max_sentences": 4, "eval.max_new_tokens": 16}
 

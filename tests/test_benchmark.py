@@ -84,6 +84,8 @@ def test_cases_parse_and_unknown_names_are_refused():
     assert not custom.torchrun and custom.overrides == ["optim.grad_accum=2", "deepspeed.zero_stage=3"]
     with pytest.raises(ValueError, match="unknown case 'nope'"):
         parse_case("nope")
+    preset = parse_case("preset:hy-mt-7b-lora,model.compile=true")
+    assert (preset.preset, preset.overrides) == ("hy-mt-7b-lora", ["model.compile=true"])
     table = markdown_table([{"case": "x", "launcher": "torchrun", "error": "RuntimeError: CUDA out of memory"}])
     assert "| x | torchrun |" in table and "failed: RuntimeError: CUDA out of memory" in table
 
@@ -116,11 +118,16 @@ def test_benchmark_smoke_ray_train_and_torchrun_agree(ray_session, tmp_path):
     """One short case under TorchTrainer and the same case under torchrun: same batches, same losses."""
     out = tmp_path / "bench"
     results = run_benchmark(
-        ["cpu-packed", "cpu-packed@torchrun"], shape="tiny", steps=2, warmup=1, workers=2, use_gpu=False,
-        out_dir=out, extra=["data.pack_tokens=512"],
+        ["cpu-packed", "cpu-packed@torchrun", "preset:tiny-cpu"], shape="tiny", steps=2, warmup=1, workers=2,
+        use_gpu=False, out_dir=out, extra=["data.pack_tokens=512"],
     )
-    assert [r.get("error") for r in results] == [None, None]
-    ray_r, torchrun_r = results
+    assert [r.get("error") for r in results] == [None, None, None]
+    ray_r, torchrun_r, preset_r = results
+    # The model is a folder loaded through from_pretrained, as `hymt train` loads one; a preset case keeps
+    # the preset's own settings (tiny-cpu: micro-batch 2, its warmup and cosine schedule).
+    assert (out / "tiny" / "config.json").exists() and (out / "tiny" / "tokenizer.json").exists()
+    assert (preset_r["preset"], preset_r["micro_batch"], preset_r["grad_accum"]) == ("tiny-cpu", 2, 1)
+    results = results[:2]
     assert (ray_r["launcher"], torchrun_r["launcher"]) == ("ray-train", "torchrun")
     for r in results:
         assert r["steps_measured"] == 2 and r["world"] == 2 and r["zero_stage"] == 2

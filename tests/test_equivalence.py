@@ -89,6 +89,7 @@ def _train_configs(loop_config: dict) -> None:
     import ray.train
 
     from raytrain_hymt.checkpoint import RunState, save_rank_checkpoint, step_tag
+    from raytrain_hymt.export import export_from_engine
     from raytrain_hymt.train_loop import LoopInputs, Worker
 
     out = Path(loop_config["out"])
@@ -113,11 +114,15 @@ def _train_configs(loop_config: dict) -> None:
                 torch.save(logits, out / f"{name}.logits.pt")
         if run.get("save"):
             state = RunState(step=STEPS, epoch=0, batch_in_epoch=STEPS, world_size=w.world, tag=step_tag(STEPS),
-                             zero_stage=w.cfg.deepspeed.zero_stage)
+                             zero_stage=w.cfg.deepspeed.zero_stage, precision=w.cfg.deepspeed.precision,
+                             base_model=w.base_model)
             folder = save_rank_checkpoint(w.engine, state, rank, w.tokenizer)
             # What Ray does with the folder every rank reports: merge them into one.
             shutil.copytree(folder, out / name, dirs_exist_ok=True)
             shutil.rmtree(folder)
+            # The export the workers write at the end of a run (every rank gathers, rank 0 writes).
+            export_from_engine(w.engine, w.tokenizer, str(out / f"{name}.model"), torch.float32, 10**9, rank,
+                               adapter_out=str(out / f"{name}.adapter") if w.cfg.lora.enabled else None)
         w.engine.destroy()
         del w
         gc.collect()
@@ -307,24 +312,29 @@ def _logits(model, batch: dict) -> torch.Tensor:
 
 
 def test_zero3_export_reloads_with_the_engines_logits(curves, tmp_path):
+    """Both exports, the workers' (gathered from the live ZeRO-3 engine) and ``hymt export``'s (streamed
+    from the stored checkpoint), reload with ``from_pretrained`` and give the engine's logits."""
     from transformers import AutoModelForCausalLM
 
-    from raytrain_hymt.checkpoint import export_hf
+    from raytrain_hymt.export import export_checkpoint
 
     out, _ = curves
-    model_dir = export_hf(out / "zero3", tmp_path / "model", dtype=torch.float32)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    offline = export_checkpoint(out / "zero3", str(tmp_path / "model"), max_shard_bytes=10**6)
     engine_logits = torch.load(out / "zero3.logits.pt")
-    exported = _logits(model, global_batches()[0])
-    assert exported.shape == engine_logits.shape
-    assert (exported - engine_logits).abs().max().item() < TIGHT
+    for folder in (out / "zero3.model", offline):
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        exported = _logits(model, global_batches()[0])
+        assert exported.shape == engine_logits.shape
+        assert (exported - engine_logits).abs().max().item() < TIGHT, folder
 
 
 def test_lora(curves, tmp_path):
-    """Only adapters move, the base stays as loaded, and the merged export is the trained model."""
+    """Only adapters move, the checkpoint holds nothing else, and the merged export is the trained model."""
+    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from raytrain_hymt.checkpoint import LORA_CONFIG_FILE, export_hf, full_state_dict
+    from raytrain_hymt.checkpoint import LORA_CONFIG_FILE
+    from raytrain_hymt.export import _checkpoint_tensors, export_checkpoint
     from raytrain_hymt.model import load_model, load_tokenizer
 
     out, results = curves
@@ -332,25 +342,27 @@ def test_lora(curves, tmp_path):
     loss = results["lora_zero3"]["train/loss"]
     assert loss[-1] < loss[0] - 0.1
 
-    trained = full_state_dict(out / "lora_zero3")
-    initial = load_model("tiny", load_tokenizer("tiny"), dtype=torch.float32).state_dict()
-    adapters = {k: v for k, v in trained.items() if ".lora_" in k}
-    # 4 layers × q,k,v,o × A,B
-    assert len(adapters) == 4 * 4 * 2
-    assert all(v.abs().max() > 0 for k, v in adapters.items() if ".lora_B." in k)  # B starts at zero
-    base = {k.replace("base_model.model.", "").replace(".base_layer", ""): v
-            for k, v in trained.items() if ".lora_" not in k}
-    assert base.keys() == initial.keys()
-    for k, v in base.items():
-        assert torch.equal(v, initial[k]), f"base weight {k} changed"
+    # The checkpoint holds the adapters only: 4 layers × q,k,v,o × A,B, and no frozen base tensor.
+    saved = dict(_checkpoint_tensors(out / "lora_zero3", f"step{STEPS:08d}", 3))
+    assert len(saved) == 4 * 4 * 2 and all(".lora_" in k for k in saved), sorted(saved)
+    assert all(v.abs().max() > 0 for k, v in saved.items() if ".lora_B." in k)  # B starts at zero
 
-    model_dir = export_hf(out / "lora_zero3", tmp_path / "model", dtype=torch.float32)
-    assert not (model_dir / LORA_CONFIG_FILE).exists()
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    assert not any("lora" in k for k in model.state_dict())
-    merged = _logits(model, global_batches()[0])
+    offline = export_checkpoint(out / "lora_zero3", str(tmp_path / "model"), max_shard_bytes=10**6,
+                                adapter_out=str(tmp_path / "adapter"))
     engine_logits = torch.load(out / "lora_zero3.logits.pt")
-    assert (merged - engine_logits).abs().max().item() < 1e-4
+    # The base rebuilt from the recorded identity (the tiny model's seed) plus the merged adapters, from
+    # the workers' export and from the stored checkpoint alike.
+    for folder in (out / "lora_zero3.model", offline):
+        assert not (Path(folder) / LORA_CONFIG_FILE).exists()
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        assert not any("lora" in k for k in model.state_dict())
+        merged = _logits(model, global_batches()[0])
+        assert (merged - engine_logits).abs().max().item() < 1e-4, folder
+    # The adapter-only PEFT folder on the base gives the same model (what vLLM/TGI serve).
+    for adapter in (out / "lora_zero3.adapter", tmp_path / "adapter"):
+        base = load_model("tiny", load_tokenizer("tiny"), dtype=torch.float32)
+        served = PeftModel.from_pretrained(base, adapter).eval()
+        assert (_logits(served, global_batches()[0]) - engine_logits).abs().max().item() < 1e-4, adapter
     # and the merge changed the model: the base alone gives other logits
     base_model = load_model("tiny", load_tokenizer("tiny"), dtype=torch.float32).eval()
     assert (_logits(base_model, global_batches()[0]) - engine_logits).abs().max().item() > 1e-2
