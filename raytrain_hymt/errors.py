@@ -34,6 +34,20 @@ def _unwrap(exc: BaseException) -> BaseException:
     return exc
 
 
+def message(err: BaseException) -> str:
+    """The text of ``err`` as its raiser wrote it, whole (several lines stay several lines).
+
+    Ray's task errors carry the remote traceback in their text: only its last line, the original
+    ``Type: message``, is kept. An empty text never reaches the user as an empty line.
+    """
+    text = str(err).strip()
+    if not text:
+        return "(the error carried no message; HYMT_VERBOSE=1 shows where it was raised)"
+    if "Traceback (most recent call last)" in text or "\n  File \"" in text:
+        return text.splitlines()[-1].strip()
+    return text
+
+
 def describe_failure(exc: BaseException) -> str:
     """``"training failed on rank 1: ValueError: ..."`` for Ray Train errors, ``"Type: msg"`` otherwise."""
     if isinstance(exc, TrainingFailed):
@@ -41,7 +55,7 @@ def describe_failure(exc: BaseException) -> str:
     causes = _root_causes(exc)
     parts = []
     for where, err in causes:
-        text = f"{type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err).strip() else ''}"
+        text = f"{type(err).__name__}: {message(err)}"
         parts.append(f"{where}: {text}" if where else text)
     prefix = "training failed on " if any(w for w, _ in causes) else ""
     return prefix + "; ".join(parts)
