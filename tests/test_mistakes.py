@@ -124,6 +124,20 @@ def test_missing_files_and_wrong_formats_are_listed_one_line_each(tmp_path, corp
         check_inputs(cfg)
 
 
+def test_empty_and_unreadable_files_are_named(tmp_path):
+    empty = tmp_path / "empty.tsv"
+    empty.write_text("\n\n")
+    locked = tmp_path / "locked.tsv"
+    locked.write_text("a\tb\n")
+    locked.chmod(0)
+    cfg = load_config(None, [sources(*({"path": str(p), "format": "tsv", "src_lang": "de", "tgt_lang": "en"}
+                                       for p in (empty, locked)))])
+    problems = source_problems(cfg.data)
+    assert problems[0] == f"data.sources[0].path: {empty} is empty (no lines with text)"
+    if os.geteuid() != 0:  # root reads any file
+        assert problems[1] == f"data.sources[1].path: cannot read {locked}: Permission denied"
+
+
 def test_moses_partners_must_exist_and_have_as_many_lines(tmp_path):
     (tmp_path / "a.de").write_text("eins\nzwei\n")
     (tmp_path / "a.en").write_text("one\n")
@@ -212,6 +226,7 @@ def test_a_remote_traceback_in_the_text_is_cut_to_the_original_line():
     assert describe_failure(RuntimeError(text)) == "RuntimeError: ValueError: bad row"
 
 
+@pytest.mark.integration
 def test_too_many_bad_rows_through_ray_reach_the_user_whole(capsys, ray_session, tmp_path):
     path = tmp_path / "bad.tsv"
     good = "".join(f"Satz {i}\tSentence {i}\n" for i in range(1956))

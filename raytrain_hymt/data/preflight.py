@@ -102,7 +102,7 @@ def _format_problem(source: SourceConfig, path: str) -> str | None:
         return None
     lines = _peek(path)
     if not lines:
-        return "it holds no lines"
+        return None  # empty: said by the caller, about the path
     if fmt == "jsonl":
         try:
             row = json.loads(lines[0])
@@ -158,7 +158,9 @@ def _source_problems(i: int, source: SourceConfig) -> list[str]:
             return [f"{field}.path: {e}"]
         for src_file, tgt_file in pairs:
             n_src, n_tgt = count_lines(src_file), count_lines(tgt_file)
-            if n_src != n_tgt:
+            if n_src == n_tgt == 0:
+                problems.append(f"{field}.path: {src_file} and {tgt_file} are empty")
+            elif n_src != n_tgt:
                 problems.append(f"{field}.path: Moses files are not line-aligned: {src_file} has {n_src} lines, "
                                 f"{tgt_file} has {n_tgt}")
         return problems
@@ -168,11 +170,14 @@ def _source_problems(i: int, source: SourceConfig) -> list[str]:
         return problems + [f"{field}.path: {e}"]
     for path in files:
         try:
-            wrong = _format_problem(source, path)
+            empty = source.format != "parquet" and not _peek(path, 1)
+            wrong = None if empty else _format_problem(source, path)
         except OSError as e:
             problems.append(f"{field}.path: cannot read {path}: {e.strerror or e}")
             continue
-        if wrong:
+        if empty:
+            problems.append(f"{field}.path: {path} is empty (no lines with text)")
+        elif wrong:
             problems.append(f"{field}.format: {path}: {wrong}")
     return problems
 
