@@ -200,6 +200,16 @@ def test_a_model_path_that_does_not_exist_is_one_line_before_ray(capsys, tmp_pat
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_hub_id_offline_must_be_in_the_cache(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))  # an empty cache stands in for a new machine
+    assert model_problem("model.name_or_path", "org/nope") == (
+        f"model.name_or_path: 'org/nope' is not in the Hugging Face cache ({tmp_path}) and HF_HUB_OFFLINE=1 forbids "
+        "the download (looked for a hub model org/name; a local folder starts with / . or ~)")
+
+
 def test_a_folder_that_is_no_model_and_hub_ids(tmp_path):
     assert model_problem("model.name_or_path", str(tmp_path)) == (
         f"model.name_or_path: '{tmp_path}' is a folder but not a Hugging Face model folder (no config.json)")

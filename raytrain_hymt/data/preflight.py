@@ -199,8 +199,10 @@ def looks_local(name_or_path: str) -> bool:
 
 def model_problem(field: str, value: str | None) -> str | None:
     """One line when ``value`` (a model or tokenizer) is a local path that holds no model, else None."""
-    if value is None or (not looks_local(value) and ":" not in value):
-        return None  # a hub id (downloaded or found in the cache where it is loaded), or the tiny model
+    if value is None:
+        return None
+    if not looks_local(value) and ":" not in value:
+        return _hub_problem(field, value)
     from raytrain_hymt.model import RANDOM_PREFIX, TINY_MODEL  # torch: only for the rare values that need it
 
     if value == TINY_MODEL:
@@ -217,6 +219,19 @@ def model_problem(field: str, value: str | None) -> str | None:
     if not (folder / "config.json").is_file() and not (folder / "tokenizer_config.json").is_file():
         return f"{field}: {value!r} is a folder but not a Hugging Face model folder (no config.json)"
     return None
+
+
+def _hub_problem(field: str, repo_id: str) -> str | None:
+    """A hub id can be checked without the network only where the hub is off (``HF_HUB_OFFLINE=1``):
+    then it must be in the local cache. Online it is downloaded where it is loaded."""
+    if repo_id.count("/") != 1:  # "tiny" and single-name ids: nothing to look up
+        return None
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if not constants.HF_HUB_OFFLINE or isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
+        return None
+    return (f"{field}: {repo_id!r} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE=1 "
+            "forbids the download (looked for a hub model org/name; a local folder starts with / . or ~)")
 
 
 def check_inputs(cfg: Config) -> None:
