@@ -28,7 +28,8 @@ def _unwrap(exc: BaseException) -> BaseException:
         seen.add(id(exc))
         inner = (getattr(exc, "cause", None) or getattr(exc, "controller_failure", None)
                  or getattr(exc, "__cause__", None))
-        if not isinstance(inner, BaseException):
+        # Ray Data raises a user error "from SystemException()": an empty marker, not the cause.
+        if not isinstance(inner, BaseException) or not str(inner).strip():
             break
         exc = inner
     return exc
@@ -43,7 +44,7 @@ def message(err: BaseException) -> str:
     text = str(err).strip()
     if not text:
         return "(the error carried no message; HYMT_VERBOSE=1 shows where it was raised)"
-    if "Traceback (most recent call last)" in text or "\n  File \"" in text:
+    if any(line.lstrip().startswith(('File "', "Traceback (most recent call last)")) for line in text.splitlines()):
         return text.splitlines()[-1].strip()
     return text
 

@@ -231,6 +231,19 @@ def test_an_empty_error_text_never_reaches_the_user():
         "RuntimeError: (the error carried no message; HYMT_VERBOSE=1 shows where it was raised)")
 
 
+def test_an_empty_marker_cause_is_not_the_message():
+    """Ray Data raises an actor's init error "from SystemException()" (seen with a broken tokenizer folder)."""
+    from ray.data.exceptions import SystemException
+
+    try:
+        try:
+            raise ValueError('  File "tokenize.py", line 110, in __init__\njson.decoder.JSONDecodeError: Expecting value')
+        except ValueError as e:
+            raise e from SystemException()
+    except ValueError as e:
+        assert describe_failure(e) == "ValueError: json.decoder.JSONDecodeError: Expecting value"
+
+
 def test_a_remote_traceback_in_the_text_is_cut_to_the_original_line():
     text = 'ray::read() (pid=1)\n  File "x.py", line 3, in f\n    raise ValueError("bad row")\nValueError: bad row'
     assert describe_failure(RuntimeError(text)) == "RuntimeError: ValueError: bad row"

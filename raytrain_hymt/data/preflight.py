@@ -19,6 +19,8 @@ from raytrain_hymt.languages import LANGUAGES, is_supported, resolve
 
 #: Lines of each file peeked at to see whether the format fits.
 PEEK_LINES = 5
+#: Files of a glob peeked at (a corpus of thousands of shards has one format; opening each costs a round trip).
+PEEK_FILES = 50
 
 # Labels people write for a language that are no code resolve() accepts: country codes, old or wrong
 # codes, and English names. Consulted before edit distance, which alone would turn ``cn`` into ``bn``.
@@ -168,7 +170,7 @@ def _source_problems(i: int, source: SourceConfig) -> list[str]:
         files = expand_paths(source.path)
     except DataSourceError as e:
         return problems + [f"{field}.path: {e}"]
-    for path in files:
+    for path in files[:PEEK_FILES]:
         try:
             empty = source.format != "parquet" and not _peek(path, 1)
             wrong = None if empty else _format_problem(source, path)
