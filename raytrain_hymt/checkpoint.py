@@ -157,9 +157,15 @@ def check_checkpoint(fs, path: str) -> RunState:
     path = path.rstrip("/")
     try:
         infos = fs.get_file_info(pyarrow.fs.FileSelector(path, recursive=True))
-    except (FileNotFoundError, OSError) as e:
+    except FileNotFoundError:
+        raise IncompleteCheckpointError(f"{path}: no such folder (a checkpoint is a run's checkpoint_step* folder)") from None
+    except OSError as e:
         raise IncompleteCheckpointError(f"{path}: cannot list the checkpoint ({e})") from None
     sizes = {i.path[len(path) + 1:]: i.size for i in infos if i.type == pyarrow.fs.FileType.File}
+    if STATE_FILE not in sizes and not any(name.startswith(f"{MARKER_DIR}/") for name in sizes):
+        raise IncompleteCheckpointError(
+            f"{path} is not a checkpoint: it has no {STATE_FILE} and no {MARKER_DIR}/ markers (a checkpoint is "
+            "a run's checkpoint_step* folder, e.g. <run.storage_root>/<name>/checkpoint_step00000020)")
     if STATE_FILE not in sizes:
         raise IncompleteCheckpointError(f"{path}: no {STATE_FILE} (rank 0 did not finish writing)")
     with fs.open_input_stream(f"{path}/{STATE_FILE}") as f:
@@ -177,6 +183,25 @@ def check_checkpoint(fs, path: str) -> RunState:
                 raise IncompleteCheckpointError(
                     f"{path}: {name} of rank {rank} has {sizes[name]} bytes, {size} were written (cut off)")
     return state
+
+
+def unreadable_file(fs, path: str, error: BaseException) -> str:
+    """What to say when a checkpoint whole in size (``check_checkpoint``) fails to load: the first
+    ``.pt`` file under ``path`` on pyarrow filesystem ``fs`` that is not a readable PyTorch archive (its
+    size is right, so its content is damaged), else ``error`` itself."""
+    import zipfile
+
+    import pyarrow.fs
+
+    infos = fs.get_file_info(pyarrow.fs.FileSelector(path.rstrip("/"), recursive=True))
+    for info in sorted((i for i in infos if i.path.endswith(".pt")), key=lambda i: i.path):
+        try:
+            with fs.open_input_file(info.path) as f, zipfile.ZipFile(f):
+                continue
+        except (zipfile.BadZipFile, OSError):
+            return (f"{info.path} is damaged: it has the size its rank wrote but is not a readable PyTorch "
+                    f"file ({type(error).__name__}: {error})")
+    return f"{type(error).__name__}: {error}"
 
 
 def read_state(folder: str | os.PathLike) -> RunState:

@@ -7,19 +7,21 @@ import logging
 import os
 import sys
 
-from raytrain_hymt.config import ConfigError, load_config
+from raytrain_hymt.config import ConfigError, load_config, run_name_problem
 
 log = logging.getLogger("raytrain_hymt")
 
 
-def _config_args(parser: argparse.ArgumentParser) -> None:
+def _config_args(parser: argparse.ArgumentParser, name_help: str = "run name; the same name resumes that run") -> None:
     parser.add_argument("--config", "-c", default=None, help="preset name (jobs/configs/NAME.yaml) or YAML file; default tiny-cpu")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                         help="override one config field (repeatable), e.g. --set optim.lr=3e-5")
-    parser.add_argument("--name", default=None, help="run name; the same name resumes that run")
+    parser.add_argument("--name", default=None, help=name_help)
 
 
 def _load(args) -> object:
+    if args.name and (problem := run_name_problem(args.name)):
+        raise ConfigError(f"--name {problem}")
     overrides = list(args.overrides) + ([f"run.name={args.name}"] if args.name else [])
     return load_config(args.config, overrides)
 
@@ -42,8 +44,11 @@ def cmd_train(args) -> int:
 def cmd_prepare(args) -> int:
     """Run the data pipeline once and write training-ready rows to Parquet."""
     from raytrain_hymt.data.prepare import prepare_dataset
+    from raytrain_hymt.data.preflight import check_inputs
 
-    stats = prepare_dataset(_load(args), args.out)
+    cfg = _load(args)
+    check_inputs(cfg)  # before Ray starts or OUT is created
+    stats = prepare_dataset(cfg, args.out)
     print(stats.summary())
     print(f"prepared dataset: {args.out}  (train on it with --set data.prepared_path={args.out})")
     return 0
@@ -73,8 +78,11 @@ def cmd_tune(args) -> int:
 
 def cmd_evaluate(args) -> int:
     """BLEU/chrF of a finished run's model (``--name``) or any model (``--model``) on a test set."""
+    from raytrain_hymt.data.preflight import model_problem
     from raytrain_hymt.evaluate import evaluate_run
 
+    if args.model and (problem := model_problem("--model", args.model)):
+        raise ConfigError(problem)
     overrides = [f"eval.test_set={args.test_set}"] if args.test_set else []
     if args.directions:
         overrides.append(f"eval.directions=[{', '.join(args.directions)}]")
@@ -93,9 +101,34 @@ def cmd_evaluate(args) -> int:
             args.config = f.name
             cfg = _load(args)
             os.unlink(f.name)
+            _default_to_trained_directions(cfg, args)
     result = evaluate_run(cfg, model=args.model)
     print("\n".join(result.lines()))
     return 0
+
+
+def _default_to_trained_directions(cfg, args) -> None:
+    """A run is scored in the directions it trained unless --directions, --set or its config chose others."""
+    from raytrain_hymt.config import EvalConfig
+    from raytrain_hymt.data.preflight import trained_directions
+
+    chosen = args.directions or any(o.split("=", 1)[0].strip() == "eval.directions" for o in args.overrides)
+    if chosen or cfg.eval.directions != EvalConfig().directions:
+        return
+    trained = trained_directions(cfg.data)
+    if trained:
+        cfg.eval.directions = trained
+
+
+def _rerun_command(argv: list[str], exc: KeyboardInterrupt) -> str:
+    """The command line that continues an interrupted run (its generated name added when it had none)."""
+    import shlex
+
+    from raytrain_hymt.interrupt import Interrupted
+
+    if isinstance(exc, Interrupted) and exc.run and "--name" not in argv:
+        argv = [*argv, "--name", exc.run]
+    return "hymt " + shlex.join(argv)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(train)
     train.set_defaults(func=cmd_train)
     prepare = sub.add_parser("prepare", help="preprocess the corpus once into Parquet for reuse")
-    _config_args(prepare)
+    _config_args(prepare, name_help="run name (unused by prepare: OUT names the dataset)")
     prepare.add_argument("out", help="output folder or URI for the prepared dataset")
     prepare.set_defaults(func=cmd_prepare)
     export = sub.add_parser("export", help="export a Hugging Face model folder from a checkpoint")
@@ -117,7 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="LoRA runs: also write the adapter-only PEFT folder here (vLLM/TGI serve it on the base)")
     export.set_defaults(func=cmd_export)
     evaluate = sub.add_parser("evaluate", help="BLEU/chrF on a test set (e.g. FLORES-200 devtest)")
-    _config_args(evaluate)
+    _config_args(evaluate, name_help="the finished run to score (its model, config and trained directions); "
+                                     "with --model, the run that keeps the scores")
     evaluate.add_argument("--model", default=None,
                           help="model folder or hub id to score (default: the exported model of run --name)")
     evaluate.add_argument("--test-set", default=None, help="test-set folder (sets eval.test_set)")
@@ -133,12 +167,25 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``hymt`` and ``jobs/*.py``; returns the exit status."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:  # a run stopped cleanly (interrupt.fit): say how to go on, no traceback
+        from raytrain_hymt.interrupt import Interrupted
+
+        if not isinstance(e, Interrupted):
+            print(f"interrupted; run again with: {_rerun_command(argv, e)}", file=sys.stderr)
+        elif e.checkpoint:
+            print(f"interrupted: the last checkpoint is {e.checkpoint}; resume with: {_rerun_command(argv, e)}",
+                  file=sys.stderr)
+        else:
+            print(f"interrupted before the first checkpoint; start again with: {_rerun_command(argv, e)}",
+                  file=sys.stderr)
+        return 130
     except Exception as e:  # noqa: BLE001 - the last line of defence: one clear line (trace on request)
         from raytrain_hymt.errors import describe_failure
 

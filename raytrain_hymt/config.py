@@ -374,12 +374,29 @@ class RunConfig(_Section):
     that changes the training trajectory (data, model, optimizer, schedule, batch). Off: such a resume
     stops and names the differing fields. The differences are recorded either way."""
 
+    @model_validator(mode="after")
+    def _check(self) -> RunConfig:
+        if self.name is not None:
+            problem = run_name_problem(self.name)
+            if problem:
+                raise ValueError(f"run.name {problem}")
+        return self
+
     @property
     def storage_path(self) -> str:
         """``storage_root`` with ``~`` expanded and made absolute (URIs unchanged)."""
         if "://" in self.storage_root:
             return self.storage_root
         return str(Path(os.path.expanduser(self.storage_root)).resolve())
+
+
+def run_name_problem(name: str) -> str | None:
+    """What is wrong with a run name, or None: a run is the one folder ``<run.storage_root>/<name>``, so
+    its name is one path segment (``../x`` or ``/abs`` would write outside ``run.storage_root``)."""
+    if not name.strip() or name in (".", "..") or "/" in name or "\\" in name or name.startswith("~"):
+        return (f"{name!r} is not a run name: a run is the folder <run.storage_root>/<name>, so the name is one "
+                "folder name (no '/', not '.' or '..'); to store runs elsewhere set run.storage_root")
+    return None
 
 
 class Config(_Section):
@@ -460,13 +477,17 @@ def preset_path(name_or_file: str) -> Path:
     raise ConfigError(f"config {name_or_file!r}: no such file, and no preset of that name (presets: {known})")
 
 
-def _format_validation_error(err: ValidationError, source: str) -> str:
-    lines = [f"invalid configuration ({source}):"]
+def _format_validation_error(err: ValidationError, source: str, overrides: list[str]) -> str:
+    """One line per bad field, each saying where its value came from: ``--set field=value`` or the file."""
+    lines = ["invalid configuration:"]
     for e in err.errors():
-        field = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        field = ".".join(str(p) for p in e["loc"])
         value = e.get("input")
-        shown = "" if isinstance(value, dict) else f" (got {value!r})"
-        lines.append(f"  {field}: {e['msg']}{shown}")
+        shown = "" if isinstance(value, dict) else f"got {value!r}, "
+        # A section-level rule (loc "data") may involve the file's values and a --set alike.
+        setters = [o for o in overrides if field and (o.split("=", 1)[0].strip() + ".").startswith(field + ".")]
+        origin = ", ".join(f"--set {o}" for o in setters) or source
+        lines.append(f"  {field or '(top level)'}: {e['msg']} ({shown}from {origin})")
     return "\n".join(lines)
 
 
@@ -486,7 +507,7 @@ def load_config(config: str | None = None, overrides: list[str] | tuple[str, ...
     try:
         return Config.model_validate(tree)
     except ValidationError as e:
-        raise ConfigError(_format_validation_error(e, str(path))) from None
+        raise ConfigError(_format_validation_error(e, str(path), list(overrides))) from None
 
 
 def to_yaml(cfg: Config) -> str:

@@ -28,10 +28,25 @@ def _unwrap(exc: BaseException) -> BaseException:
         seen.add(id(exc))
         inner = (getattr(exc, "cause", None) or getattr(exc, "controller_failure", None)
                  or getattr(exc, "__cause__", None))
-        if not isinstance(inner, BaseException):
+        # Ray Data raises a user error "from SystemException()": an empty marker, not the cause.
+        if not isinstance(inner, BaseException) or not str(inner).strip():
             break
         exc = inner
     return exc
+
+
+def message(err: BaseException) -> str:
+    """The text of ``err`` as its raiser wrote it, whole (several lines stay several lines).
+
+    Ray's task errors carry the remote traceback in their text: only its last line, the original
+    ``Type: message``, is kept. An empty text never reaches the user as an empty line.
+    """
+    text = str(err).strip()
+    if not text:
+        return "(the error carried no message; HYMT_VERBOSE=1 shows where it was raised)"
+    if any(line.lstrip().startswith(('File "', "Traceback (most recent call last)")) for line in text.splitlines()):
+        return text.splitlines()[-1].strip()
+    return text
 
 
 def describe_failure(exc: BaseException) -> str:
@@ -41,7 +56,7 @@ def describe_failure(exc: BaseException) -> str:
     causes = _root_causes(exc)
     parts = []
     for where, err in causes:
-        text = f"{type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err).strip() else ''}"
+        text = f"{type(err).__name__}: {message(err)}"
         parts.append(f"{where}: {text}" if where else text)
     prefix = "training failed on " if any(w for w, _ in causes) else ""
     return prefix + "; ".join(parts)

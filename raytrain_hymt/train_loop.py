@@ -240,7 +240,9 @@ class Worker:
                 with ray.train.Checkpoint(path, filesystem=fs).as_directory() as folder:
                     state = restore_rank(self.engine, folder, self.rank)
             except Exception as e:  # noqa: BLE001 - a shard whole in size but not in content
-                error = f"{path}: DeepSpeed could not load it on rank {self.rank}: {type(e).__name__}: {e}"
+                from raytrain_hymt.checkpoint import unreadable_file
+
+                error = f"{path}: DeepSpeed could not load it on rank {self.rank}: {unreadable_file(fs, path, e)}"
                 log.warning("not resuming from %s", error)
             (failed_ranks,) = _all_reduce_sum([1.0 if error else 0.0], self.device)
             if not failed_ranks:

@@ -167,6 +167,9 @@ def finished_summary(cfg: Config) -> TrainingSummary | None:
 
 def preflight(cfg: Config) -> None:
     """Mistakes the config alone cannot see, caught on the driver before Ray starts or data is read."""
+    from raytrain_hymt.data.preflight import check_inputs
+
+    check_inputs(cfg)  # typos in paths, formats, language codes: before a run folder or Ray exists
     from raytrain_hymt.config import ConfigError
     from raytrain_hymt.engine import build_ds_config
     from raytrain_hymt.storage import is_uri
@@ -201,6 +204,8 @@ def run_training(cfg: Config, *, datasets=None, callbacks=(), parent_run_id: str
     from raytrain_hymt.data.pipeline import build_datasets
     from raytrain_hymt.errors import budget_spent
     from raytrain_hymt.evaluate import evaluate_model, log_result
+    from raytrain_hymt.interrupt import Interrupted, fit, latest_checkpoint
+    from raytrain_hymt.resume import keep_first_config
     from raytrain_hymt.resources import check_cluster_resources
 
     from raytrain_hymt.storage import RunFolder
@@ -212,7 +217,7 @@ def run_training(cfg: Config, *, datasets=None, callbacks=(), parent_run_id: str
     folder = RunFolder(cfg.run.storage_path, cfg.run.name)
     # On a URI storage root, run_dir is the driver's staging folder; the files that matter are pushed.
     run_dir = folder.local
-    folder.write_text("config.yaml", to_yaml(cfg))
+    keep_first_config(folder, cfg)  # a re-submission that would train something else stops here
     started_locally = init_ray(cfg)
     if datasets is None:  # a search's trial: run_search checked the cluster once for all its trials
         check_cluster_resources(cfg, started_locally)
@@ -229,7 +234,7 @@ def run_training(cfg: Config, *, datasets=None, callbacks=(), parent_run_id: str
             "tracking_run_id": tracker.run_id, "tracking_uri": uri, "run_dir": str(run_dir),
         }
         try:
-            result = _trainer(cfg, train, val, loop_inputs, callbacks).fit()
+            result = fit(_trainer(cfg, train, val, loop_inputs, callbacks), cfg.run.storage_path, cfg.run.name)
         except TrainingFailedError as e:
             raise budget_spent(e, cfg.checkpoint.max_failures) from e
         model_dir = None
@@ -265,8 +270,10 @@ def run_training(cfg: Config, *, datasets=None, callbacks=(), parent_run_id: str
             test_scores=test_scores,
         )
         tracker.finish("FINISHED")
-    except BaseException:
-        tracker.finish("FAILED")
+    except BaseException as e:
+        tracker.finish("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
+        if isinstance(e, KeyboardInterrupt) and not isinstance(e, Interrupted):  # Ctrl-C before fit()
+            raise Interrupted(cfg.run.name, latest_checkpoint(cfg.run.storage_path, cfg.run.name)) from None
         raise
     folder.write_text(SUMMARY_FILE, json.dumps(asdict(summary), indent=1))
     return summary

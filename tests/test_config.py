@@ -35,7 +35,7 @@ def test_invalid_value_names_the_field():
     with pytest.raises(ConfigError) as e:
         load_config(None, ["deepspeed.zero_stage=4"])
     assert "deepspeed.zero_stage" in str(e.value)
-    assert "(got 4)" in str(e.value)
+    assert "(got 4, from --set deepspeed.zero_stage=4)" in str(e.value)
 
 
 def test_unknown_field_names_the_field():

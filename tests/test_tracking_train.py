@@ -192,7 +192,8 @@ def test_resubmitted_job_continues_the_same_run(outage_run):
     again = load_config(None, [f"run.storage_root={cfg.run.storage_root}", "run.name=tracked",
                                f"optim.max_steps={MORE_STEPS}", "optim.micro_batch_size=4",
                                "eval.every_steps=20", "checkpoint.every_steps=20",
-                               f"tracking.tracking_uri={cfg.tracking.tracking_uri}", "tracking.retry_interval_s=1"])
+                               f"tracking.tracking_uri={cfg.tracking.tracking_uri}", "tracking.retry_interval_s=1",
+                               "run.allow_config_change=true"])  # a longer schedule: resume.py stops it otherwise
     second = run_training(again)
     assert second.mlflow_run_id == first.mlflow_run_id
     client = MlflowClient(url)

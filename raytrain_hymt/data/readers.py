@@ -177,10 +177,13 @@ class _Blocks:
 
 
 def _decoded_lines(path: str) -> Iterator[tuple[int, str, bool]]:
-    """``(line number, text without the line end, decoded cleanly)`` of a text file."""
+    """``(line number, text without the line end, decoded cleanly)`` of a text file; a UTF-8 byte order
+    mark (Windows editors write one) is not part of the first line's text."""
     with open_binary(path) as f:
         for lineno, raw in enumerate(f, start=1):
             raw = raw.rstrip(b"\r\n")
+            if lineno == 1:
+                raw = raw.removeprefix(b"\xef\xbb\xbf")
             try:
                 yield lineno, raw.decode("utf-8"), True
             except UnicodeDecodeError:

@@ -1,0 +1,269 @@
+"""The data sources and model paths checked on the driver before Ray starts (``hymt train/prepare/tune``).
+
+Every problem found becomes one line naming the field, the file, the value and, for a language code,
+the nearest valid one; all of them are raised together as one :class:`~raytrain_hymt.config.ConfigError`,
+so nothing (no Ray session, run folder or MLflow run) exists yet when a typo is reported. Only cheap
+checks: files exist and open, the first lines fit the format, Moses partners have as many lines.
+Object-store URIs and hub ids are left to the readers (no credentials or network here).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from raytrain_hymt.config import Config, ConfigError, DataConfig, SourceConfig
+from raytrain_hymt.data.readers import DataSourceError, count_lines, expand_paths, moses_pairs, open_binary
+from raytrain_hymt.languages import LANGUAGES, is_supported, resolve
+
+#: Lines of each file peeked at to see whether the format fits.
+PEEK_LINES = 5
+#: Files of a glob peeked at (a corpus of thousands of shards has one format; opening each costs a round trip).
+PEEK_FILES = 50
+
+# Labels people write for a language that are no code resolve() accepts: country codes, old or wrong
+# codes, and English names. Consulted before edit distance, which alone would turn ``cn`` into ``bn``.
+_SUGGEST: dict[str, str] = {
+    "jp": "ja", "cn": "zh", "kr": "ko", "cz": "cs", "ua": "uk", "dk": "da", "vn": "vi", "sp": "es",
+    "esp": "es", "br": "pt", "ir": "fa", "tw": "zh-Hant", "hk": "zh-Hant", "cht": "zh-Hant", "chs": "zh",
+    "zh-hans": "zh", "jap": "ja", "kor": "ko", "ch": "zh", "ph": "tl", "kz": "kk", "il": "he",
+    "mandarin": "zh", "farsi": "fa", "tagalog": "tl", "simplified chinese": "zh", "chinese simplified": "zh",
+    **{lang.english_name.lower(): code for code, lang in LANGUAGES.items()},
+    **{lang.chinese_name: code for code, lang in LANGUAGES.items()},
+}
+# Languages people ask for that Hunyuan-MT does not translate, so "did you mean" would mislead.
+_NOT_SUPPORTED = {"gr": "Greek", "el": "Greek", "ell": "Greek", "greek": "Greek", "da": "Danish",
+                  "sv": "Swedish", "fi": "Finnish", "no": "Norwegian", "hu": "Hungarian", "ro": "Romanian"}
+
+
+def _edit_distance(a: str, b: str) -> int:
+    row = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        prev, row[0] = row[0], i
+        for j, cb in enumerate(b, 1):
+            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (ca != cb))
+    return row[-1]
+
+
+def nearest_language(label: str) -> str | None:
+    """The Hunyuan-MT code a mistyped ``label`` most likely means (``jp`` → ``ja``, ``cn`` → ``zh``), or None.
+
+    The alias table first, then the closest code, ISO 639-2/3 code or English name by edit distance
+    (at most one edit for short labels, a third of the letters for names).
+    """
+    if is_supported(label):
+        return resolve(label).code
+    key = label.strip().replace("_", "-").lower()
+    if key in _SUGGEST:
+        return _SUGGEST[key]
+    if key in _NOT_SUPPORTED:
+        return None
+    candidates = {code.lower(): code for code in LANGUAGES}
+    candidates.update({name: code for name, code in _SUGGEST.items() if name not in candidates})
+    limit = max(1, len(key) // 3)
+    best = min(candidates, key=lambda c: (_edit_distance(key, c), len(c)))
+    return candidates[best] if _edit_distance(key, best) <= limit else None
+
+
+def language_problem(field: str, label: str, where: str) -> str | None:
+    """One line when ``label`` is no Hunyuan-MT language (with the nearest valid code), else None."""
+    if is_supported(label):
+        return None
+    near = nearest_language(label)
+    if near is not None:
+        hint = f"did you mean '{near}' ({LANGUAGES[near].english_name})?"
+    elif label.strip().lower() in _NOT_SUPPORTED:
+        hint = f"{_NOT_SUPPORTED[label.strip().lower()]} is not among Hunyuan-MT's {len(LANGUAGES)} languages"
+    else:
+        hint = f"Hunyuan-MT's codes: {', '.join(LANGUAGES)}"
+    return f"{field}: {label!r} is not a Hunyuan-MT language ({where}); {hint}"
+
+
+def _peek(path: str, n: int = PEEK_LINES) -> list[str]:
+    """The first ``n`` non-blank lines of a text file, decoded leniently, BOM and line ends stripped."""
+    lines: list[str] = []
+    with open_binary(path) as f:
+        for raw in f:
+            line = raw.decode("utf-8", errors="replace").rstrip("\r\n").lstrip("\ufeff")
+            if line.strip():
+                lines.append(line)
+            if len(lines) >= n:
+                break
+    return lines
+
+
+def _format_problem(source: SourceConfig, path: str) -> str | None:
+    """Why the first lines of ``path`` cannot be ``source.format``, with the format they look like."""
+    fmt = source.format
+    if fmt == "parquet":
+        with open_binary(path) as f:
+            head = f.read(4)
+        return None if head == b"PAR1" else f"it does not start like a Parquet file (first bytes {head!r})"
+    if fmt not in ("tatoeba", "tsv", "jsonl", "csv"):
+        return None
+    lines = _peek(path)
+    if not lines:
+        return None  # empty: said by the caller, about the path
+    if fmt == "jsonl":
+        try:
+            row = json.loads(lines[0])
+        except ValueError:
+            return f"line 1 is not JSON: {lines[0][:60]!r}"
+        if not isinstance(row, dict):
+            return f"line 1 is a JSON {type(row).__name__}, not an object"
+        absent = [c for c in dict.fromkeys((source.src_column, source.tgt_column)) if c not in row]
+        if absent:
+            return (f"line 1 has no field {', '.join(map(repr, absent))} (fields: {', '.join(row)}); "
+                    "set src_column/tgt_column")
+        return None
+    tabs = [line.count("\t") + 1 for line in lines]
+    want = 4 if fmt == "tatoeba" else 2
+    if fmt == "csv" or any(t == want for t in tabs):
+        return None
+    looks = {4: " (format 'tatoeba' reads 4 columns: src_lang, tgt_lang, src, tgt)",
+             2: " (format 'tsv' reads 2 columns: src, tgt)"}.get(tabs[0], "")
+    if tabs[0] == 1 and "," in lines[0]:
+        looks = " (comma-separated: format 'csv')"
+    lines_have = "line 1 has" if len(lines) == 1 else f"its first {len(lines)} lines have"
+    return f"{lines_have} {tabs[0]} tab-separated columns, format {fmt!r} needs {want}{looks}"
+
+
+def _source_problems(i: int, source: SourceConfig) -> list[str]:
+    field = f"data.sources[{i}]"
+    where = f"source {source.path!r}"
+    problems = []
+    languages_given = True
+    for side in ("src_lang", "tgt_lang"):
+        label = getattr(source, side)
+        if label is None:
+            languages_given = False
+            if source.format != "tatoeba":
+                problems.append(f"{field}.{side}: not set; format {source.format!r} rows do not carry their languages")
+        elif (problem := language_problem(f"{field}.{side}", label, where)) is not None:
+            problems.append(problem)
+    if languages_given and not problems and resolve(source.src_lang) == resolve(source.tgt_lang):
+        problems.append(f"{field}: src_lang {source.src_lang!r} and tgt_lang {source.tgt_lang!r} are the same "
+                        f"language ({resolve(source.src_lang).code}); a pair needs two languages")
+    if "://" in source.path or source.format == "hf_hub":
+        return problems
+    if source.format == "hf_disk":
+        if not Path(source.path).expanduser().is_dir():
+            problems.append(f"{field}.path: no such folder {source.path!r} (format hf_disk: a save_to_disk folder)")
+        return problems
+    if source.format == "moses":
+        if problems:
+            return problems
+        try:
+            pairs = moses_pairs(source)
+        except DataSourceError as e:
+            return [f"{field}.path: {e}"]
+        for src_file, tgt_file in pairs:
+            n_src, n_tgt = count_lines(src_file), count_lines(tgt_file)
+            if n_src == n_tgt == 0:
+                problems.append(f"{field}.path: {src_file} and {tgt_file} are empty")
+            elif n_src != n_tgt:
+                problems.append(f"{field}.path: Moses files are not line-aligned: {src_file} has {n_src} lines, "
+                                f"{tgt_file} has {n_tgt}")
+        return problems
+    try:
+        files = expand_paths(source.path)
+    except DataSourceError as e:
+        return problems + [f"{field}.path: {e}"]
+    for path in files[:PEEK_FILES]:
+        try:
+            empty = source.format != "parquet" and not _peek(path, 1)
+            wrong = None if empty else _format_problem(source, path)
+        except OSError as e:
+            problems.append(f"{field}.path: cannot read {path}: {e.strerror or e}")
+            continue
+        if empty:
+            problems.append(f"{field}.path: {path} is empty (no lines with text)")
+        elif wrong:
+            problems.append(f"{field}.format: {path}: {wrong}")
+    return problems
+
+
+def source_problems(data: DataConfig) -> list[str]:
+    """One line per problem of ``data.sources`` (none when ``data.prepared_path`` replaces them)."""
+    if data.prepared_path:
+        return []
+    return [p for i, s in enumerate(data.sources) for p in _source_problems(i, s)]
+
+
+def looks_local(name_or_path: str) -> bool:
+    """Whether a model value means a local folder: ``/x``, ``./x``, ``~/x``, ``a/b/c`` (hub ids are
+    ``org/name``, one slash) or anything that exists here."""
+    if "://" in name_or_path:
+        return False
+    return name_or_path.startswith(("/", ".", "~")) or name_or_path.count("/") > 1 or os.path.exists(name_or_path)
+
+
+def model_problem(field: str, value: str | None) -> str | None:
+    """One line when ``value`` (a model or tokenizer) is a local path that holds no model, else None."""
+    if value is None:
+        return None
+    if not looks_local(value) and ":" not in value:
+        return _hub_problem(field, value)
+    from raytrain_hymt.model import RANDOM_PREFIX, TINY_MODEL  # torch: only for the rare values that need it
+
+    if value == TINY_MODEL:
+        return None
+    if value.startswith(RANDOM_PREFIX):
+        config_json = value[len(RANDOM_PREFIX):]
+        return None if Path(config_json).expanduser().is_file() else f"{field}: no such config.json file {config_json!r}"
+    if not looks_local(value):
+        return None
+    folder = Path(value).expanduser()
+    if not folder.is_dir():
+        return (f"{field}: no such folder {value!r} (looked for a local model folder; a hub id is written "
+                "org/name, e.g. tencent/Hunyuan-MT-7B)")
+    if not (folder / "config.json").is_file() and not (folder / "tokenizer_config.json").is_file():
+        return f"{field}: {value!r} is a folder but not a Hugging Face model folder (no config.json)"
+    return None
+
+
+def _hub_problem(field: str, repo_id: str) -> str | None:
+    """A hub id can be checked without the network only where the hub is off (``HF_HUB_OFFLINE=1``):
+    then it must be in the local cache. Online it is downloaded where it is loaded."""
+    if repo_id.count("/") != 1:  # "tiny" and single-name ids: nothing to look up
+        return None
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if not constants.HF_HUB_OFFLINE or isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
+        return None
+    return (f"{field}: {repo_id!r} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE=1 "
+            "forbids the download (looked for a hub model org/name; a local folder starts with / . or ~)")
+
+
+def check_inputs(cfg: Config) -> None:
+    """Raise one :class:`ConfigError` listing every problem of the data sources and model paths."""
+    problems = source_problems(cfg.data)
+    problems += [p for p in (model_problem("model.name_or_path", cfg.model.name_or_path),
+                             model_problem("model.tokenizer", cfg.model.tokenizer)) if p]
+    if len(problems) == 1:
+        raise ConfigError(problems[0])
+    if problems:
+        raise ConfigError(f"{len(problems)} problems in the data sources and model:\n" + "\n".join(f"  {p}" for p in problems))
+
+
+def trained_directions(data: DataConfig) -> list[str]:
+    """The ``src-tgt`` directions a run's sources train (Tatoeba rows: the languages of their first
+    lines), reversed too with ``data.both_directions``; what ``hymt evaluate --name`` scores by default."""
+    pairs: list[tuple[str, str]] = []
+    for source in data.sources:
+        if source.src_lang and source.tgt_lang and source.format != "tatoeba":
+            found = [(source.src_lang, source.tgt_lang)]
+        else:
+            try:
+                files = expand_paths(source.path) if source.format == "tatoeba" and "://" not in source.path else []
+                cols = [line.split("\t") for path in files[:1] for line in _peek(path, 500)]
+            except (OSError, DataSourceError):
+                cols = []
+            found = [(c[0] or source.src_lang, c[1] or source.tgt_lang) for c in cols if len(c) == 4]
+        for s, t in found:
+            if s and t and is_supported(s) and is_supported(t):
+                pairs.append((resolve(s).code, resolve(t).code))
+                if data.both_directions:
+                    pairs.append((resolve(t).code, resolve(s).code))
+    return [f"{s}-{t}" for s, t in dict.fromkeys(pairs) if s != t]

@@ -1,0 +1,135 @@
+"""The resume-compatibility check: a re-submitted run must continue what its first submission started.
+
+The run's first ``config.yaml`` is kept. A re-submission is compared with it field by field
+(:func:`check_resume`); a difference in a field that changes the training trajectory (data, model,
+optimizer, schedule, batch: every field not in :data:`TRAJECTORY_FREE`) stops the run with one
+:class:`~raytrain_hymt.config.ConfigError` naming the fields, unless ``run.allow_config_change`` is set.
+Every difference, allowed or not, is recorded in ``<run>/config-changes.jsonl``. Other comparisons (the
+data fingerprint) plug in by adding their own :class:`Difference` to the list given to :func:`enforce`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+import yaml
+
+from raytrain_hymt.config import Config, ConfigError, flatten, to_yaml
+
+log = logging.getLogger("raytrain_hymt")
+
+CONFIG_FILE = "config.yaml"
+CHANGES_FILE = "config-changes.jsonl"
+
+#: Fields a resumed run may change: they decide how the run is observed, stored, retried or how fast it
+#: runs, never which updates the weights get. A name ending in "." covers its whole section. Any field
+#: not listed changes the trajectory (so a new field is protected until someone lists it here).
+TRAJECTORY_FREE: tuple[str, ...] = (
+    "preset",
+    "tracking.",
+    "eval.",
+    "tune.",
+    "checkpoint.every_steps", "checkpoint.num_to_keep", "checkpoint.max_failures", "checkpoint.async_upload",
+    "run.storage_root", "run.export", "run.allow_config_change", "run.name",
+    "scaling.use_gpu", "scaling.cpus_per_worker", "scaling.local_num_cpus",
+    "data.tokenize_actors", "data.tokenize_batch_size", "data.max_val_examples",
+    "model.compile", "model.fused_loss", "model.attn_implementation",
+    "deepspeed.activation_checkpointing", "deepspeed.overlap_comm", "deepspeed.reduce_bucket_size",
+    "deepspeed.offload_optimizer", "deepspeed.offload_param",
+)
+
+
+def changes_trajectory(field: str) -> bool:
+    """Whether a resumed run may not change ``field`` (a dotted config name) without the override."""
+    # "tune." also covers "tune" itself: an unset section flattens to one None value.
+    return not any(field == free.rstrip(".") or (free.endswith(".") and field.startswith(free)) for free in TRAJECTORY_FREE)
+
+
+@dataclass(frozen=True)
+class Difference:
+    """One way a re-submission differs from what its run started with."""
+
+    field: str
+    before: Any
+    after: Any
+    trajectory: bool
+    """True when the difference changes the training trajectory (needs ``run.allow_config_change``)."""
+
+
+_ABSENT = "(not set)"
+
+
+def check_resume(saved: dict, new: dict) -> list[Difference]:
+    """The differences between a run's first config and a re-submission's (both as plain dicts)."""
+    defaults = flatten(Config().model_dump(mode="json"))
+    before, after = flatten(saved), flatten(new)
+    diffs = []
+    # Only fields of the schema: a recorded non-config difference (a data fingerprint) is not one.
+    for field in sorted(set(after) | (set(before) & set(defaults))):
+        # A field the first config.yaml predates had its default then.
+        old = before.get(field, defaults.get(field, _ABSENT))
+        now = after.get(field, _ABSENT)
+        if old != now:
+            diffs.append(Difference(field, old, now, changes_trajectory(field)))
+    return diffs
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value, ensure_ascii=False) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def enforce(diffs: list[Difference], run: str, allow: bool) -> None:
+    """Raise one :class:`ConfigError` when ``diffs`` change the trajectory and ``allow`` is off."""
+    blocking = [d for d in diffs if d.trajectory]
+    if not blocking or allow:
+        return
+    lines = "\n".join(f"  {d.field}: {_shown(d.before)} -> {_shown(d.after)}" for d in blocking)
+    raise ConfigError(
+        f"run {run!r} started with another config; resuming it with this one would change what it trains "
+        f"({len(blocking)} field{'s' if len(blocking) > 1 else ''}):\n{lines}\n"
+        f"Resume anyway with --set run.allow_config_change=true (the change is recorded in {CHANGES_FILE}), "
+        f"or start a new run with another --name."
+    )
+
+
+def record(folder, diffs: list[Difference], allowed: bool) -> None:
+    """Append one line to ``<run>/config-changes.jsonl`` and log the changed fields."""
+    if not diffs:
+        return
+    line = {"time": datetime.now(timezone.utc).isoformat(timespec="seconds"), "allowed": allowed,
+            "changes": [asdict(d) for d in diffs]}
+    text = folder.read_text(CHANGES_FILE) or ""
+    folder.write_text(CHANGES_FILE, text + json.dumps(line, ensure_ascii=False) + "\n")
+    log.info("resuming with changed config (recorded in %s): %s", CHANGES_FILE,
+             ", ".join(f"{d.field} {_shown(d.before)} -> {_shown(d.after)}" for d in diffs))
+
+
+def current_config(first: dict, changes: str | None) -> dict:
+    """The config a run last ran with, flat: its first ``config.yaml`` with every recorded change applied
+    (so a change accepted once is not asked about again)."""
+    current = flatten(first)
+    for line in (changes or "").splitlines():
+        for change in json.loads(line)["changes"]:
+            if change["field"] in current or change["after"] != _ABSENT:
+                current[change["field"]] = change["after"]
+    return current
+
+
+def keep_first_config(folder, cfg: Config, extra: list[Difference] = ()) -> None:
+    """Write the run's ``config.yaml`` on its first submission; on a later one, check the new config
+    against it (plus ``extra`` differences, e.g. of the data) and record what changed. The first
+    ``config.yaml`` is never replaced."""
+    saved_text = folder.read_text(CONFIG_FILE)
+    if saved_text is None:
+        folder.write_text(CONFIG_FILE, to_yaml(cfg))
+        return
+    new = yaml.safe_load(to_yaml(cfg))  # the same YAML round trip as the saved one (tuples are lists)
+    diffs = check_resume(current_config(yaml.safe_load(saved_text) or {}, folder.read_text(CHANGES_FILE)), new)
+    diffs += list(extra)
+    enforce(diffs, cfg.run.name, cfg.run.allow_config_change)
+    record(folder, diffs, allowed=any(d.trajectory for d in diffs))
