@@ -64,6 +64,8 @@ class RunState:
     generation: int = 0
     """Times the run fell back to a checkpoint older than Ray's latest; part of the folder name, so a
     re-saved step never lands in the folder of a rejected checkpoint Ray still tracks (and deletes)."""
+    data_fingerprint: dict | None = None
+    """What the run trains on (``data.fingerprint``): sources, sizes, hashes, settings; checked on resume."""
 
 
 class ResumeMismatchError(ValueError):

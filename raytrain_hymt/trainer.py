@@ -201,6 +201,7 @@ def run_training(cfg: Config, *, datasets=None, callbacks=(), parent_run_id: str
     from raytrain_hymt.errors import budget_spent
     from raytrain_hymt.evaluate import evaluate_model, log_result
     from raytrain_hymt.resources import check_cluster_resources
+    from raytrain_hymt.resume_data import check_resume_data
 
     from raytrain_hymt.storage import RunFolder
 
@@ -210,6 +211,7 @@ def run_training(cfg: Config, *, datasets=None, callbacks=(), parent_run_id: str
     folder = RunFolder(cfg.run.storage_path, cfg.run.name)
     # On a URI storage root, run_dir is the driver's staging folder; the files that matter are pushed.
     run_dir = folder.local
+    fingerprint = check_resume_data(cfg, folder)  # a resume on changed data stops here, before Ray
     folder.write_text("config.yaml", to_yaml(cfg))
     started_locally = init_ray(cfg)
     if datasets is None:  # a search's trial: run_search checked the cluster once for all its trials
@@ -225,6 +227,7 @@ def run_training(cfg: Config, *, datasets=None, callbacks=(), parent_run_id: str
         loop_inputs = {
             "config": cfg.model_dump(mode="json"), "train_rows": stats.train_rows,
             "tracking_run_id": tracker.run_id, "tracking_uri": uri, "run_dir": str(run_dir),
+            "data_fingerprint": fingerprint,
         }
         try:
             result = _trainer(cfg, train, val, loop_inputs, callbacks).fit()
