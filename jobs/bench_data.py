@@ -331,16 +331,24 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=3600, help="seconds one measurement may take")
     parser.add_argument("--reserve-gib", type=float, default=2.0,
                         help="stop a run (recorded as out of memory) when the machine has less available")
-    parser.add_argument("--json", default=None, help="also write the results here (one line per run as it ends)")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="seconds for the whole benchmark: no measurement starts after it, each is cut at it")
+    parser.add_argument("--no-startup", action="store_true", help="skip the start-up measurement (100 pairs)")
+    parser.add_argument("--json", default=None, help="also write the results here (rewritten after every run)")
     parser.add_argument("--one", nargs=2, metavar=("SYSTEM", "SCALE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         print("RESULT " + json.dumps(one(args.one[0], int(args.one[1]), args.workers)), flush=True)
         return
     results = []
-    for scale in [0, *args.scales]:
+    end = time.monotonic() + (args.budget_s or float("inf"))
+    for scale in ([] if args.no_startup else [0]) + args.scales:
         for system in args.systems:
-            results.append(best(system, scale, args.workers, args.repeat, args.timeout, args.reserve_gib))
+            left = end - time.monotonic()
+            if left <= 0:
+                print(f"budget spent: {system} at {scale}× not run", file=sys.stderr)
+                continue
+            results.append(best(system, scale, args.workers, args.repeat, min(args.timeout, left), args.reserve_gib))
             if args.json:
                 Path(args.json).write_text(json.dumps(results, indent=1))
     startup = {r["system"]: r["seconds"] for r in results if r["scale"] == 0}
