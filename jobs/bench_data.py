@@ -295,11 +295,13 @@ def table(results: list[dict], startup: dict[str, float]) -> str:
                          f"{r['seconds']:.0f} | {r['failed']} | | | {r['peak_bytes'] / mib:,.0f} (when stopped) | | | |")
             continue
         beyond = r["seconds"] - startup.get(r["system"], 0.0)
-        ray_only = (f"{r['largest_block_bytes'] / mib:,.1f} | {r['stream_peak_store_bytes'] / mib:,.0f} of "
+        rate_beyond = f"{r['pairs'] / beyond:,.0f}" if beyond > 0 else ""  # a loaded machine's noise can exceed it
+        ray_only = (f"{r['largest_block_bytes'] / mib:,.1f} | {r['stream_peak_store_bytes'] / mib:,.1f} of "
                     f"{r['prepared_train_bytes'] / mib:,.0f} Parquet" if r["system"] == "ray" else "| ")
         lines.append(
             f"| {_name(r['system'])}, {r['workers']} proc | {r['scale']}× | {r['pairs']:,} | {r['seconds']:.1f} | "
-            f"{r['pairs'] / r['seconds']:,.0f} | {r['pairs'] / beyond:,.0f} | {r['train_tokens'] / r['seconds']:,.0f} | "
+            f"{r['pairs'] / r['seconds']:,.0f} | {rate_beyond} | "
+            f"{r['train_tokens'] / r['seconds']:,.0f} | "
             f"{r['peak_bytes'] / 2**20:,.0f} | {r['peak_store_bytes'] / 2**20:,.0f} | {ray_only} |"
         )
     return "\n".join(lines)
@@ -308,7 +310,7 @@ def table(results: list[dict], startup: dict[str, float]) -> str:
 def ratios(results: list[dict]) -> str:
     """Per scale: Ray's end-to-end pairs/s and peak memory against ``datasets``'."""
     out = []
-    for scale in sorted({r["scale"] for r in results}):
+    for scale in sorted({r["scale"] for r in results} - {0}):
         ray = next((r for r in results if r["scale"] == scale and r["system"] == "ray"), None)
         base = next((r for r in results if r["scale"] == scale and r["system"] == "datasets"), None)
         if not ray or not base or ray.get("failed"):
