@@ -256,7 +256,7 @@ def sort_partitions(data: DataConfig, input_bytes: int) -> int:
     (``.gz`` files count 4×, for their compression), both directions and the largest source weight."""
     if data.sort_partitions != "auto":
         return data.sort_partitions
-    grown = (2 if data.both_directions else 1) * max(1.0, *(s.weight for s in data.sources))
+    grown = (2 if data.both_directions else 1) * max([1.0, *(s.weight for s in data.sources)])
     return max(2, math.ceil(input_bytes * TOKENIZED_BYTES_PER_INPUT_BYTE * grown / PARTITION_BYTES))
 
 

@@ -4,9 +4,10 @@ Every reader yields the same columns: ``src``, ``tgt``, ``src_lang``, ``tgt_lang
 canonicalised by cleaning), ``origin`` (``file:line`` for text files, ``file:row`` for Parquet/Arrow,
 1-based; for error messages), ``example_id`` (a stable 64-bit id of the source index, the file's name
 relative to the source's own root and the line or row: the same corpus gives the same ids wherever it
-lives; used for deduplication ties, ordering and exact resume), ``source`` (index of the source in ``data.sources``) and
-``drop_reason`` (``malformed`` / ``invalid_utf8`` for rows that could not be parsed; counted, never
-silently lost; their ``src`` then says what was wrong and shows the raw text, for the log).
+lives; used for deduplication ties, ordering and exact resume), ``source`` (index of the source in
+``data.sources``) and ``drop_reason`` (``malformed`` / ``invalid_utf8`` for rows that could not be
+parsed; counted, never silently lost; their ``src`` then says what was wrong and shows the raw text, for
+the log).
 
 Formats (``SourceConfig.format``): ``tatoeba`` (4-column TSV), ``tsv`` / ``csv`` (2 columns; CSV through
 the ``csv`` module, so quoted fields may hold commas, quotes and newlines), ``moses`` (``<prefix>.<src_lang>``
@@ -77,8 +78,8 @@ def source_root(pattern: str) -> str:
 
 def file_name(path: str, root: str) -> FileName:
     """``path`` named for messages (as is) and for ids (relative to ``root``; its base name when outside)."""
-    stable = path[len(root) + 1:] if path.startswith(root.rstrip("/") + "/") else path.rsplit("/", 1)[-1]
-    return FileName(path, stable)
+    prefix = root.rstrip("/") + "/"
+    return FileName(path, path[len(prefix):] if path.startswith(prefix) else path.rsplit("/", 1)[-1])
 
 
 def _is_glob(pattern: str) -> bool:
