@@ -9,10 +9,17 @@ the process tree (driver, GCS, raylet, Ray workers, datasets' worker processes) 
 use (Ray's own plasma statistics). Summed RSS counts pages shared by several processes (libraries,
 object-store pages a worker has mapped) once per process, so it overstates the total: an upper bound.
 
-    python jobs/bench_data.py --scales 1 10 100          # prints a Markdown table
+    nice -n 19 python jobs/bench_data.py --scales 1 100 1000 --json bench.json   # prints a Markdown table
 
 Each system also runs once on :data:`STARTUP_PAIRS` pairs first: its fixed start-up cost, reported on
 its own line and subtracted in the "pairs/s beyond start-up" column.
+
+Ray also reports the largest block of tokenized examples (one sort partition, what one task holds) and,
+in a fresh Ray after ``prepare``, the object store's peak while one reader streams every prepared
+training row in the training loop's windows (``data.prepared_path``: not materialized). A run that
+leaves the machine less than ``--reserve-gib`` of available memory is stopped and recorded as out of
+memory (the machine is shared: it must not push other processes into the OOM killer); one that exceeds
+``--timeout`` is recorded as such.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import argparse
 import csv
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -40,6 +48,8 @@ from raytrain_hymt.sample import SAMPLE_CORPUS  # noqa: E402
 
 #: Pairs of the start-up measurement (scale 0): enough to run every stage, too few to take time.
 STARTUP_PAIRS = 100
+#: Prepared training rows streamed to measure the object store while training reads them (~12 windows).
+STREAM_ROWS = 100_000
 
 
 def scaled_corpus(scale: int, folder: Path) -> Path:
@@ -147,13 +157,43 @@ def run_ray(path: Path, out: Path, actors: int) -> dict:
     ray.init(address="local", num_cpus=max(4, actors + 2), include_dashboard=False)
     sampler = MemorySampler()
     t0 = time.perf_counter()
-    stats = prepare_dataset(_config(path, actors), str(out))
+    cfg = _config(path, actors)
+    stats = prepare_dataset(cfg, str(out))
     seconds = time.perf_counter() - t0
     peak, peak_store = sampler.stop()
     ray.shutdown()
     return {"seconds": seconds, "pairs": stats.rows_read, "train_examples": stats.train_examples,
             "train_tokens": stats.train_tokens, "peak_bytes": peak, "idle_bytes": sampler.idle,
-            "peak_store_bytes": peak_store}
+            "peak_store_bytes": peak_store, "largest_block_bytes": stats.largest_block_bytes,
+            **stream_prepared(cfg, out)}
+
+
+def stream_prepared(cfg, out: Path) -> dict:
+    """Read the prepared training rows (up to :data:`STREAM_ROWS`) as a training worker does
+    (``data.prepared_path``, the loop's windows), in a fresh Ray: the object store's peak, the rows, the
+    Parquet bytes, the seconds."""
+    import ray
+
+    from raytrain_hymt.data.epochs import epoch_batches, window_rows
+    from raytrain_hymt.data.pipeline import build_datasets
+
+    ray.init(address="local", num_cpus=4, include_dashboard=False)
+    sampler = MemorySampler()
+    t0 = time.perf_counter()
+    cfg.data.prepared_path = str(out)
+    train, _, _ = build_datasets(cfg)
+    windows = train.iter_batches(batch_size=window_rows(cfg.data.epoch_shuffle_rows, 4), batch_format="numpy")
+    rows = 0
+    for batch in epoch_batches(windows, cfg.data.seed, 1, 4):
+        rows += len(batch["input_ids"])
+        if rows >= STREAM_ROWS:  # steady state long reached: the store's peak does not grow with the rows
+            break
+    seconds = time.perf_counter() - t0
+    _, peak_store = sampler.stop()
+    ray.shutdown()
+    parquet = sum(p.stat().st_size for p in out.rglob("*.parquet") if "/train/" in str(p))
+    return {"stream_rows": rows, "stream_seconds": seconds, "stream_peak_store_bytes": peak_store,
+            "prepared_train_bytes": parquet}
 
 
 def _np(fn, **kwargs):
@@ -190,7 +230,7 @@ def run_datasets(path: Path, out: Path, num_proc: int) -> dict:
 
     def ids(batch, idx):
         origins = [f"{path}:{i + 1}" for i in idx]
-        return {"origin": origins, "example_id": [example_id(0, o) for o in origins],
+        return {"origin": origins, "example_id": [example_id(0, f"{path.name}:{i + 1}") for i in idx],
                 "source": [0] * len(idx), "drop_reason": [""] * len(idx)}
 
     ds = ds.map(ids, batched=True, with_indices=True)
@@ -242,57 +282,137 @@ def one(system: str, scale: int, workers: int) -> dict:
     return {"system": system, "scale": scale, "workers": workers, **result}
 
 
+def _name(system: str) -> str:
+    return "Ray Data (hymt prepare)" if system == "ray" else "datasets.map(batched=True)"
+
+
 def table(results: list[dict], startup: dict[str, float]) -> str:
     """The Markdown table of the README. ``startup``: seconds of each system's :data:`STARTUP_PAIRS`-pair
     run, its fixed cost (Ray: worker processes, tokenizer actors, one execution per stage); "pairs/s
     beyond start-up" divides by the seconds above it, the rate a larger corpus approaches."""
+    mib = 2**20
     lines = ["| system | scale | pairs | seconds | pairs/s | pairs/s beyond start-up | train tokens/s | peak memory (MiB) | "
-             "of which object store | peak above idle (MiB) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "of which object store | largest block (MiB) | object store peak streaming the prepared rows (MiB) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for system, seconds in startup.items():
-        name = "Ray Data (hymt prepare)" if system == "ray" else "datasets.map(batched=True)"
-        lines.append(f"| {name}: start-up | {STARTUP_PAIRS} pairs | {STARTUP_PAIRS} | {seconds:.1f} | | | | | | |")
+        lines.append(f"| {_name(system)}: start-up | {STARTUP_PAIRS} pairs | {STARTUP_PAIRS} | {seconds:.1f} | | | | | | | |")
     for r in results:
-        name = "Ray Data (hymt prepare)" if r["system"] == "ray" else "datasets.map(batched=True)"
+        if r.get("failed"):
+            lines.append(f"| {_name(r['system'])}, {r['workers']} proc | {r['scale']}× | {r['expected_pairs']:,} | "
+                         f"{r['seconds']:.0f} | {r['failed']} | | | {r['peak_bytes'] / mib:,.0f} (when stopped) | | | |")
+            continue
         beyond = r["seconds"] - startup.get(r["system"], 0.0)
+        rate_beyond = f"{r['pairs'] / beyond:,.0f}" if beyond > 0 else ""  # a loaded machine's noise can exceed it
+        ray_only = (f"{r['largest_block_bytes'] / mib:,.1f} | {r['stream_peak_store_bytes'] / mib:,.1f} of "
+                    f"{r['prepared_train_bytes'] / mib:,.0f} Parquet" if r["system"] == "ray" else "| ")
         lines.append(
-            f"| {name}, {r['workers']} proc | {r['scale']}× | {r['pairs']:,} | {r['seconds']:.1f} | "
-            f"{r['pairs'] / r['seconds']:,.0f} | {r['pairs'] / beyond:,.0f} | {r['train_tokens'] / r['seconds']:,.0f} | "
-            f"{r['peak_bytes'] / 2**20:,.0f} | {r['peak_store_bytes'] / 2**20:,.0f} | {(r['peak_bytes'] - r['idle_bytes']) / 2**20:,.0f} |"
+            f"| {_name(r['system'])}, {r['workers']} proc | {r['scale']}× | {r['pairs']:,} | {r['seconds']:.1f} | "
+            f"{r['pairs'] / r['seconds']:,.0f} | {rate_beyond} | "
+            f"{r['train_tokens'] / r['seconds']:,.0f} | "
+            f"{r['peak_bytes'] / 2**20:,.0f} | {r['peak_store_bytes'] / 2**20:,.0f} | {ray_only} |"
         )
     return "\n".join(lines)
 
 
+def ratios(results: list[dict]) -> str:
+    """Per scale: Ray's end-to-end pairs/s and peak memory against ``datasets``'."""
+    out = []
+    for scale in sorted({r["scale"] for r in results} - {0}):
+        ray = next((r for r in results if r["scale"] == scale and r["system"] == "ray"), None)
+        base = next((r for r in results if r["scale"] == scale and r["system"] == "datasets"), None)
+        if not ray or not base or ray.get("failed"):
+            continue
+        if base.get("failed"):
+            out.append(f"- {scale}×: datasets {base['failed']}; Ray finished in {ray['seconds']:.0f} s, peak "
+                       f"{ray['peak_bytes'] / 2**30:.1f} GiB")
+            continue
+        speed = (ray["pairs"] / ray["seconds"]) / (base["pairs"] / base["seconds"])
+        out.append(f"- {scale}×: throughput {speed:.2f}× datasets', peak memory {ray['peak_bytes'] / base['peak_bytes']:.2f}× datasets'")
+    return "\n".join(out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--scales", type=int, nargs="+", default=[1, 10, 100])
+    parser.add_argument("--scales", type=int, nargs="+", default=[1, 100, 1000])
     parser.add_argument("--systems", nargs="+", default=["ray", "datasets"], choices=["ray", "datasets"])
     parser.add_argument("--workers", type=int, default=2, help="tokenizer actors (Ray) / num_proc (datasets)")
     parser.add_argument("--repeat", type=int, default=1, help="runs per measurement; the fastest is reported")
-    parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds one measurement may take")
+    parser.add_argument("--reserve-gib", type=float, default=2.0,
+                        help="stop a run (recorded as out of memory) when the machine has less available")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="seconds for the whole benchmark: no measurement starts after it, each is cut at it")
+    parser.add_argument("--no-startup", action="store_true", help="skip the start-up measurement (100 pairs)")
+    parser.add_argument("--json", default=None, help="also write the results here (rewritten after every run)")
     parser.add_argument("--one", nargs=2, metavar=("SYSTEM", "SCALE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         print("RESULT " + json.dumps(one(args.one[0], int(args.one[1]), args.workers)), flush=True)
         return
-    results = [best(system, scale, args.workers, args.repeat) for scale in [0, *args.scales] for system in args.systems]
+    results = []
+    end = time.monotonic() + (args.budget_s or float("inf"))
+    for scale in ([] if args.no_startup else [0]) + args.scales:
+        for system in args.systems:
+            left = end - time.monotonic()
+            if left <= 0:
+                print(f"budget spent: {system} at {scale}× not run", file=sys.stderr)
+                continue
+            results.append(best(system, scale, args.workers, args.repeat, min(args.timeout, left), args.reserve_gib))
+            if args.json:
+                Path(args.json).write_text(json.dumps(results, indent=1))
     startup = {r["system"]: r["seconds"] for r in results if r["scale"] == 0}
     print(table([r for r in results if r["scale"] != 0], startup))
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+    print(ratios(results))
 
 
-def best(system: str, scale: int, workers: int, repeat: int) -> dict:
-    """The fastest of ``repeat`` fresh-process runs (others share this machine)."""
+def _watch(cmd: list[str], env: dict, timeout: float, reserve_gib: float) -> tuple[subprocess.CompletedProcess | None, str, int]:
+    """Run ``cmd`` in its own process group; stop it when it runs past ``timeout`` or the machine's
+    available memory falls below ``reserve_gib``. ``(finished process or None, why stopped, peak summed
+    RSS seen)``."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    import threading
+
+    out: dict[str, str] = {}
+    readers = [threading.Thread(target=lambda k, f: out.__setitem__(k, f.read()), args=(k, f), daemon=True)
+               for k, f in (("stdout", proc.stdout), ("stderr", proc.stderr))]
+    for t in readers:
+        t.start()
+    t0, peak, why = time.monotonic(), 0, ""
+    while proc.poll() is None:
+        time.sleep(0.2)
+        peak = max(peak, _tree_rss(proc.pid, -1))
+        if psutil.virtual_memory().available < reserve_gib * 2**30:
+            why = f"out of memory (stopped at {peak / 2**30:.1f} GiB summed RSS, the machine below {reserve_gib:g} GiB free)"
+        elif time.monotonic() - t0 > timeout:
+            why = f"timed out after {timeout:.0f} s"
+        if why:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    for t in readers:
+        t.join()
+    if not why and proc.returncode == -signal.SIGKILL:
+        why = "killed (out of memory: SIGKILL from the kernel)"
+    return subprocess.CompletedProcess(cmd, proc.returncode, out.get("stdout", ""), out.get("stderr", "")), why, peak
+
+
+def best(system: str, scale: int, workers: int, repeat: int, timeout: float, reserve_gib: float) -> dict:
+    """The fastest of ``repeat`` fresh-process runs (others share this machine); a run stopped for memory
+    or time is the result, with the seconds it ran."""
     runs = []
     for _ in range(repeat):
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
         cmd = [sys.executable, __file__, "--one", system, str(scale), "--workers", str(workers)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        t0 = time.perf_counter()
+        proc, why, peak = _watch(cmd, env, timeout, reserve_gib)
         found = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-        if proc.returncode or not found:
+        if why:
+            runs.append({"system": system, "scale": scale, "workers": workers, "failed": why, "peak_bytes": peak,
+                         "seconds": time.perf_counter() - t0, "expected_pairs": 10_390 * max(scale, 1)})
+        elif proc.returncode or not found:
             sys.exit(f"{system} at {scale}× failed:\n{proc.stderr[-3000:]}")
-        runs.append(json.loads(found[0][7:]))
+        else:
+            runs.append(json.loads(found[0][7:]))
         print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
     return min(runs, key=lambda r: r["seconds"])
 

@@ -67,6 +67,8 @@ class RunState:
     base_model: dict | None = None
     """LoRA runs: the identity of the frozen base (``base_identity``). Their checkpoints hold only the
     adapters, so resume and export rebuild the base from it and refuse another one."""
+    data_fingerprint: dict | None = None
+    """What the run trains on (``data.fingerprint``): sources, sizes, hashes, settings; checked on resume."""
 
 
 class ResumeMismatchError(ValueError):

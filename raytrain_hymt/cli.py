@@ -48,7 +48,7 @@ def cmd_prepare(args) -> int:
 
     cfg = _load(args)
     check_inputs(cfg)  # before Ray starts or OUT is created
-    stats = prepare_dataset(cfg, args.out)
+    stats = prepare_dataset(cfg, args.out, overwrite=args.overwrite)
     print(stats.summary())
     print(f"prepared dataset: {args.out}  (train on it with --set data.prepared_path={args.out})")
     return 0
@@ -141,6 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     prepare = sub.add_parser("prepare", help="preprocess the corpus once into Parquet for reuse")
     _config_args(prepare, name_help="run name (unused by prepare: OUT names the dataset)")
     prepare.add_argument("out", help="output folder or URI for the prepared dataset")
+    prepare.add_argument("--overwrite", action="store_true",
+                         help="replace what OUT holds (without it a non-empty OUT is refused)")
     prepare.set_defaults(func=cmd_prepare)
     export = sub.add_parser("export", help="export a Hugging Face model folder from a checkpoint")
     export.add_argument("checkpoint", help="a checkpoint_step* folder of a run")

@@ -97,10 +97,22 @@ class DataConfig(_Section):
     tokenize_batch_size: int = Field(256, ge=1)
     """Rows per tokenization batch."""
     seed: int = 0
-    """Seed of the train/validation split and of the data order."""
+    """Seed of the train/validation split and of the data order (and, with the epoch, of each epoch's
+    own order)."""
+    sort_partitions: int | Literal["auto"] = "auto"
+    """Partitions of the one sort that deduplicates and orders the examples; each is one block, held
+    whole by the task that dedups and packs it. ``auto``: sized from the sources' bytes for blocks of
+    about 128 MiB of tokenized examples (at least 2), so no task's memory grows with the corpus."""
+    epoch_shuffle_rows: int = Field(8192, ge=1)
+    """Training rows each worker holds and permutes at once for the per-epoch order: every epoch takes
+    the rows in windows of this many (rounded down to whole global batches) and permutes each window
+    with a seed of ``(data.seed, epoch, window)``. Memory per worker ≈ rows × ``pack_tokens`` × 12 bytes
+    (8,192 × 1,024: ~100 MB)."""
 
     @model_validator(mode="after")
     def _check(self) -> DataConfig:
+        if self.sort_partitions != "auto" and self.sort_partitions < 2:
+            raise ValueError(f"data.sort_partitions must be 'auto' or at least 2 (got {self.sort_partitions})")
         if not self.sources and not self.prepared_path:
             raise ValueError("data.sources is empty and data.prepared_path is not set: nothing to train on")
         if self.min_chars > self.max_chars:

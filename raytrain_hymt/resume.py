@@ -34,7 +34,7 @@ TRAJECTORY_FREE: tuple[str, ...] = (
     "eval.",
     "tune.",
     "checkpoint.every_steps", "checkpoint.num_to_keep", "checkpoint.max_failures", "checkpoint.async_upload",
-    "run.storage_root", "run.export", "run.allow_config_change", "run.name",
+    "run.storage_root", "run.export", "run.export_shard_mb", "run.allow_config_change", "run.name",
     "scaling.use_gpu", "scaling.cpus_per_worker", "scaling.local_num_cpus",
     "data.tokenize_actors", "data.tokenize_batch_size", "data.max_val_examples",
     "model.compile", "model.fused_loss", "model.attn_implementation",

@@ -40,6 +40,7 @@ class LoopInputs:
     tracking_run_id: str | None
     tracking_uri: str | None
     run_dir: str
+    data_fingerprint: dict | None = None
 
 
 def rank_slice(global_batch: dict[str, np.ndarray], micro: int, rank: int, world: int, micro_batch: int) -> dict:
@@ -387,14 +388,16 @@ def _rank_example_ids(global_batch: dict, rank: int, world: int, grad_accum: int
 def train_loop(loop_config: dict) -> None:
     """Ray Train entry point (``TorchTrainer(train_loop, train_loop_config=...)``).
 
-    Data position: the pipeline fixes the row order, so the position is just the number of global
-    batches consumed in the epoch (``RunState.batch_in_epoch``); a resumed run skips that many global
-    batches and trains exactly the rows an uninterrupted run would have trained next.
+    Data position: the pipeline fixes the row order and each epoch's permutation is seeded by the epoch
+    (``raytrain_hymt.data.epochs``), so the position is the epoch and the number of global batches consumed in it
+    (``RunState.batch_in_epoch``); a resumed run skips that many global batches and trains exactly the
+    rows an uninterrupted run would have trained next.
     """
     import ray.train
 
     from raytrain_hymt import faults
     from raytrain_hymt.checkpoint import RunState, checkpoint_dir_name, save_rank_checkpoint, step_tag
+    from raytrain_hymt.data.epochs import epoch_batches, window_rows
     from raytrain_hymt.quiet import quiet_ray
     from raytrain_hymt.tracking import make_tracker
 
@@ -429,7 +432,9 @@ def train_loop(loop_config: dict) -> None:
         val_loss = None
         console_every = max(cfg.tracking.log_every_steps, w.total_steps // 10)
         while step < w.total_steps:
-            batches = train.iter_batches(batch_size=global_rows, batch_format="numpy", drop_last=True, prefetch_batches=2)
+            windows = train.iter_batches(batch_size=window_rows(cfg.data.epoch_shuffle_rows, global_rows),
+                                         batch_format="numpy", prefetch_batches=1)
+            batches = epoch_batches(windows, cfg.data.seed, epoch, global_rows)  # a new order every epoch
             for index, global_batch in enumerate(batches):
                 if index < skip:
                     continue
@@ -467,7 +472,8 @@ def train_loop(loop_config: dict) -> None:
                                          tag=step_tag(step), zero_stage=cfg.deepspeed.zero_stage,
                                          tracking_run_id=inputs.tracking_run_id, skipped_steps=skipped_steps,
                                          global_rows=global_rows, generation=generation,
-                                         precision=cfg.deepspeed.precision, base_model=w.base_model)
+                                         precision=cfg.deepspeed.precision, base_model=w.base_model,
+                                         data_fingerprint=inputs.data_fingerprint)
                     folder = save_rank_checkpoint(w.engine, run_state, w.rank, w.tokenizer)
                     report = {"step": step, "train_loss": metrics["train/loss"], "skipped_steps": skipped_steps}
                     if "val/loss" in metrics:  # only this step's: an older validation would mislead ASHA

@@ -207,6 +207,7 @@ def run_training(cfg: Config, *, datasets=None, callbacks=(), parent_run_id: str
     from raytrain_hymt.interrupt import Interrupted, fit, latest_checkpoint
     from raytrain_hymt.resume import keep_first_config
     from raytrain_hymt.resources import check_cluster_resources
+    from raytrain_hymt.resume_data import check_resume_data
 
     from raytrain_hymt.storage import RunFolder
     from raytrain_hymt.train_loop import MODEL_DIR
@@ -218,6 +219,7 @@ def run_training(cfg: Config, *, datasets=None, callbacks=(), parent_run_id: str
     # On a URI storage root, run_dir is the driver's staging folder; the files that matter are pushed.
     run_dir = folder.local
     keep_first_config(folder, cfg)  # a re-submission that would train something else stops here
+    fingerprint = check_resume_data(cfg, folder)  # a resume on changed data stops here, before Ray
     started_locally = init_ray(cfg)
     if datasets is None:  # a search's trial: run_search checked the cluster once for all its trials
         check_cluster_resources(cfg, started_locally)
@@ -232,6 +234,7 @@ def run_training(cfg: Config, *, datasets=None, callbacks=(), parent_run_id: str
         loop_inputs = {
             "config": cfg.model_dump(mode="json"), "train_rows": stats.train_rows,
             "tracking_run_id": tracker.run_id, "tracking_uri": uri, "run_dir": str(run_dir),
+            "data_fingerprint": fingerprint,
         }
         try:
             result = fit(_trainer(cfg, train, val, loop_inputs, callbacks), cfg.run.storage_path, cfg.run.name)

@@ -125,14 +125,13 @@ def test_bad_lines_are_logged_with_their_origin(mixed):
 
 
 def test_kept_rows_dedup_and_weights(mixed):
-    tsv = mixed["tsv"]
     ids = [eid for eid, _, _ in _examples(mixed["rows"])]
-    line = {n: example_id(0, f"{tsv}:{n}") for n in range(1, len(MIXED_TSV) + 1)}
+    line = {n: example_id(0, f"mixed.tsv:{n}") for n in range(1, len(MIXED_TSV) + 1)}
     # The duplicate pair keeps the smaller example_id of its two lines; every other dropped line is gone.
     kept_dup, dropped_dup = sorted([line[1], line[11]])
     expected_tsv = {line[n] for n in (2, 3, 4)} | {kept_dup}
     assert {e for e in ids if e in line.values()} == expected_tsv and dropped_dup not in ids
-    csv_ids = {example_id(1, f"{mixed['dir']}/pairs.csv:{n}") for n in (1, 2)}
+    csv_ids = {example_id(1, f"pairs.csv:{n}") for n in (1, 2)}
     assert csv_ids <= set(ids)
     assert all(ids.count(e) == 2 for e in set(ids))  # each example once per direction, copies get new ids
     assert len(set(ids)) == 4 + 4 + (len(ids) // 2 - 8)
@@ -140,7 +139,6 @@ def test_kept_rows_dedup_and_weights(mixed):
 
 def test_language_mapping_and_prompt_layout_in_packed_rows(mixed):
     tok = load_tokenizer("tiny")
-    tsv = mixed["tsv"]
     by_id: dict[int, list[tuple[str, str]]] = {}
     for eid, ids, labels in _examples(mixed["rows"]):
         assert labels[0] == IGNORE_INDEX
@@ -149,15 +147,15 @@ def test_language_mapping_and_prompt_layout_in_packed_rows(mixed):
         by_id.setdefault(eid, []).append((tok.decode(ids[:n_prompt]), tok.decode(ids[n_prompt:])))
     zh = "<|startoftext|>把下面的文本翻译成{}，不要额外解释。\n\n{}<|extra_0|>"
     en = "<|startoftext|>Translate the following segment into {}, without additional explanation.\n\n{}<|extra_0|>"
-    assert sorted(by_id[example_id(0, f"{tsv}:2")]) == sorted([
+    assert sorted(by_id[example_id(0, "mixed.tsv:2")]) == sorted([
         (zh.format("繁体中文", "Good morning."), "早安。<|eos|>"),  # zho_Hant → zh-Hant
         (zh.format("英语", "早安。"), "Good morning.<|eos|>"),
     ])
-    assert sorted(by_id[example_id(0, f"{tsv}:3")]) == sorted([
+    assert sorted(by_id[example_id(0, "mixed.tsv:3")]) == sorted([
         (zh.format("粤语", "Thank you."), "多謝。<|eos|>"),  # en-US → en, yue_Hant → yue
         (zh.format("英语", "多謝。"), "Thank you.<|eos|>"),
     ])
-    assert sorted(by_id[example_id(0, f"{tsv}:4")]) == sorted([
+    assert sorted(by_id[example_id(0, "mixed.tsv:4")]) == sorted([
         (en.format("English", "Das Haus ist groß."), "The house is big.<|eos|>"),  # deu → de: English template
         (en.format("German", "The house is big."), "Das Haus ist groß.<|eos|>"),
     ])
@@ -191,7 +189,7 @@ def _source_of(files) -> dict[int, str]:
     out = {}
     for index, path in enumerate(files):
         for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-            out[example_id(index, f"{path.resolve()}:{n}")] = normalize_text(line.split("\t")[2])
+            out[example_id(index, f"{path.name}:{n}")] = normalize_text(line.split("\t")[2])
     return out
 
 

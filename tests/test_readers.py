@@ -56,7 +56,8 @@ def test_tatoeba_rows_origins_ids_and_bad_lines(tmp_path):
     rows = read_all(SourceConfig(path=str(path), format="tatoeba"), index=3)
     assert good(rows) == [("Hello.", "你好。", "eng", "cmn_Hans"), ('Hallo "du".', "Hi, you.", "deu", "eng")]
     assert [r["origin"] for r in rows] == [f"{path}:{n}" for n in (1, 2, 4, 5)]  # line 3 blank: no row
-    assert [r["example_id"] for r in rows] == [example_id(3, r["origin"]) for r in rows]
+    # ids name the file relative to the source's root (its folder), never by its absolute path
+    assert [r["example_id"] for r in rows] == [example_id(3, f"t.tsv:{n}") for n in (1, 2, 4, 5)]
     assert {r["source"] for r in rows} == {3}
     assert bad(rows) == [
         (f"{path}:2", "malformed", "expected 4 tab-separated columns, got 3: eng\tcmn_Hans\tonly three columns"),
@@ -182,7 +183,8 @@ def test_moses_pairs_from_a_glob_with_gzip(ray_session, tmp_path):
     rows = read_source(source, 1).take_all()
     assert [(r["src"], r["tgt"]) for r in rows] == [("One.", "一。"), ("Two.", "二。"), ("", "三。"), ("Four.", "四。"), ("Five.", "五。")]
     assert [r["origin"] for r in rows][-2:] == [f"{tmp_path}/a.en:4", f"{tmp_path}/b.en.gz:1"]
-    assert all(r["example_id"] == example_id(1, r["origin"]) for r in rows)
+    assert [r["example_id"] for r in rows] == [example_id(1, f"{f}:{n}") for f, n in
+                                               [("a.en", 1), ("a.en", 2), ("a.en", 3), ("a.en", 4), ("b.en.gz", 1)]]
 
 
 def test_moses_line_count_mismatch_names_both_files_and_counts(ray_session, tmp_path):
@@ -221,6 +223,9 @@ def test_hf_save_to_disk_folder_with_splits(ray_session, tmp_path):
     rows = read_source(source, 0).take_all()
     assert [(r["src"], r["tgt"]) for r in rows] == [("Number 3.", "数字3。"), ("Number 4.", "数字4。")]
     assert rows[0]["origin"].endswith(".arrow:1")
+    arrow = rows[0]["origin"].rsplit(":", 1)[0]  # ids name the Arrow file relative to the folder
+    assert rows[0]["example_id"] == example_id(0, f"{arrow[len(str(tmp_path / 'hf')) + 1:]}:1")
+    assert arrow.startswith(str(tmp_path / "hf") + "/validation/")
     with pytest.raises(DataSourceError, match=r"no split 'test' \(splits: train, validation\)"):
         plan_source(source.model_copy(update={"split": "test"}), 0)
 
@@ -238,6 +243,8 @@ def test_hf_hub_name_through_a_local_cache_and_a_clear_error_offline(ray_session
     rows = read_source(source, 0).take_all()
     assert [(r["src"], r["tgt"]) for r in rows] == [("Cat.", "Katze."), ("Dog.", "Hund.")]
     assert rows[0]["origin"].startswith(str(tmp_path / "cache"))
+    # The cache folder is no part of the id: the Arrow file's base name is.
+    assert rows[0]["example_id"] == example_id(0, rows[0]["origin"].rsplit("/", 1)[1])
 
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     missing = SourceConfig(path="nobody-here/no-such-corpus", format="hf_hub", src_lang="en", tgt_lang="de")

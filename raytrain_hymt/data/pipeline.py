@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -36,7 +37,7 @@ from raytrain_hymt.config import Config, DataConfig
 from raytrain_hymt.data.cleaning import CleaningRules, check_bad_fraction, clean_batch, format_sample, pair_key, split_key
 from raytrain_hymt.data.packing import as_single_rows, pack_examples
 from raytrain_hymt.data.prompts import expand_directions
-from raytrain_hymt.data.readers import DataSourceError, read_source
+from raytrain_hymt.data.readers import DataSourceError, file_size, plan_source, read_units
 from raytrain_hymt.data.tokenize import TokenizePairs
 
 log = logging.getLogger(__name__)
@@ -44,10 +45,12 @@ log = logging.getLogger(__name__)
 BAD_LINE_REASONS = ("malformed", "invalid_utf8")
 #: Rows per block between reading and tokenizing (the unit of parallel work).
 ROWS_PER_BLOCK = 8192
-#: Partitions of the one sort (dedup and order): each holds ~1/16 of the corpus in one block, and is
-#: packed whole (one part-filled row each). Grow it for corpora whose sixteenth does not fit a worker's
-#: memory.
-SORT_PARTITIONS = 16
+#: What ``data.sort_partitions: auto`` aims at: bytes of tokenized examples per sort partition (one
+#: block, deduplicated and packed whole by one task, with one part-filled row each).
+PARTITION_BYTES = 128 * 2**20
+#: Bytes of tokenized examples (Arrow token lists, ids, keys) per byte of corpus file (4.7 measured on the
+#: bundled sample, a TSV); ``.gz`` files count 4× their size (see :func:`sort_partitions`).
+TOKENIZED_BYTES_PER_INPUT_BYTE = 5.0
 #: Columns of the sorted examples (texts are gone after tokenizing; bad rows keep a short ``sample``).
 SORTED_COLUMNS = ("input_ids", "labels", "example_id", "source", "direction", "num_tokens", "num_targets",
                   "drop_reason", "is_val", "sample", "pair_key", "group_key")
@@ -73,6 +76,8 @@ class DataStats:
     val_rows: int = 0
     train_tokens: int = 0
     train_target_tokens: int = 0
+    largest_block_bytes: int = 0
+    """Bytes of the largest block of tokenized examples (one sort partition: what one task holds)."""
 
     def as_metrics(self) -> dict[str, float]:
         """Flat ``data.*`` numbers for MLflow."""
@@ -84,6 +89,7 @@ class DataStats:
             "data.val_rows": self.val_rows,
             "data.train_tokens": self.train_tokens,
             "data.train_target_tokens": self.train_target_tokens,
+            "data.largest_block_bytes": self.largest_block_bytes,
         }
         out.update({f"data.dropped.{k}": v for k, v in sorted(self.dropped.items())})
         return {k: float(v) for k, v in out.items()}
@@ -244,10 +250,22 @@ def finish_partition(table: pa.Table, weights: list[float], seed: int, dedup: bo
     return pa.table({name: columns[name] if name in columns else out[name] for name in TOKENIZED_COLUMNS})
 
 
+def sort_partitions(data: DataConfig, input_bytes: int) -> int:
+    """The sort's partition count: ``data.sort_partitions``, or for ``auto`` enough partitions that each
+    holds about :data:`PARTITION_BYTES` of tokenized examples, estimated from the corpus files' bytes
+    (``.gz`` files count 4×, for their compression), both directions and the largest source weight."""
+    if data.sort_partitions != "auto":
+        return data.sort_partitions
+    grown = (2 if data.both_directions else 1) * max([1.0, *(s.weight for s in data.sources)])
+    return max(2, math.ceil(input_bytes * TOKENIZED_BYTES_PER_INPUT_BYTE * grown / PARTITION_BYTES))
+
+
 def read_pairs(cfg: Config):
-    """All configured sources as one Ray Dataset of raw pairs, each read once (weights apply later)."""
-    parts = [read_source(source, index) for index, source in enumerate(cfg.data.sources)]
-    return parts[0] if len(parts) == 1 else parts[0].union(*parts[1:])
+    """All configured sources as one Ray Dataset of raw pairs, each read once (weights apply later),
+    and the bytes of the files read (``.gz`` counted 4×: about what they hold)."""
+    units = [unit for index, source in enumerate(cfg.data.sources) for unit in plan_source(source, index)]
+    nbytes = sum(file_size(f) * (4 if f.endswith(".gz") else 1) for unit in units for f in unit.files)
+    return read_units(units), nbytes
 
 
 def tokenized_dataset(cfg: Config):
@@ -257,7 +275,8 @@ def tokenized_dataset(cfg: Config):
     data = cfg.data
     # A file is read by one task into blocks of up to 128 MiB; smaller blocks let the later stages
     # (and the tokenizer actors) work on one file in parallel.
-    ds = read_pairs(cfg).repartition(target_num_rows_per_block=ROWS_PER_BLOCK)
+    pairs, input_bytes = read_pairs(cfg)
+    ds = pairs.repartition(target_num_rows_per_block=ROWS_PER_BLOCK)
     ds = ds.map_batches(prepare_pairs, batch_format="numpy", fn_kwargs={
         "rules": cleaning_rules(data), "seed": data.seed, "val_fraction": data.val_fraction, "both": data.both_directions,
     })
@@ -272,7 +291,9 @@ def tokenized_dataset(cfg: Config):
         batch_format="numpy",
         compute=ray_actor_pool(data.tokenize_actors),
     ).select_columns(list(SORTED_COLUMNS))
-    ds = ds.sort("group_key", boundaries=uniform_boundaries(SORT_PARTITIONS))
+    partitions = sort_partitions(data, input_bytes)
+    log.debug("sorting %d bytes of corpus files into %d partitions", input_bytes, partitions)
+    ds = ds.sort("group_key", boundaries=uniform_boundaries(partitions))
     weights = [s.weight for s in data.sources]
     return ds.map_batches(finish_partition, batch_size=None, batch_format="pyarrow",
                           fn_kwargs={"weights": weights, "seed": data.seed, "dedup": data.dedup})
@@ -303,6 +324,7 @@ def block_stats(table: pa.Table) -> dict:
         "train_tokens": int(table["num_tokens"].to_numpy()[train].sum()),
         "train_target_tokens": int(table["num_targets"].to_numpy()[train].sum()),
         "samples": [x for x in table["sample"].to_pylist() if x][:5],
+        "bytes": table.nbytes,
     }
 
 
@@ -322,6 +344,7 @@ def merge_stats(records: list[dict]) -> tuple[DataStats, list[str]]:
     for r in records:
         for key in ("rows_read", "train_examples", "val_examples", "train_tokens", "train_target_tokens"):
             setattr(stats, key, getattr(stats, key) + r[key])
+        stats.largest_block_bytes = max(stats.largest_block_bytes, r["bytes"])
         for reason, n in r["dropped"].items():
             stats.dropped[reason] = stats.dropped.get(reason, 0) + n
         samples.extend(r["samples"])

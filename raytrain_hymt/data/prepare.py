@@ -2,9 +2,18 @@
 
 Layout of a prepared dataset (a local folder or any pyarrow filesystem URI)::
 
-    <out>/train/<uuid>_<write>_<task:06>.parquet   training rows, in order (file names sort in order)
-    <out>/val/...                                  validation rows, in order
-    <out>/stats.json                               DataStats + what the rows depend on (``prepared_with``)
+    <out>/manifest.json                      written last: the commit (see below)
+    <out>/stats.json                         a copy of the manifest's statistics and settings, for people
+    <out>/<write id>/train/<…>_<task:06>-<n>.parquet   training rows, in order
+    <out>/<write id>/val/...                 validation rows, in order
+
+Object stores have no rename, so the manifest is the commit: it lists the dataset's files in row
+order, with the statistics, the settings the rows depend on (``prepared_with``), the data fingerprint of
+the sources it was prepared from, and an ``id`` (a hash of all that). A reader reads the files the
+manifest lists and nothing else, never a glob, so a second prepare (or one cut off half-way) can never
+mix its rows into the first. A non-empty ``<out>`` is refused unless ``overwrite``; then the new files go
+to a fresh ``<write id>`` folder, the new manifest replaces the old one, and only after that is
+everything else in ``<out>`` deleted: until the new manifest is written the old dataset stays whole.
 
 ``data.prepared_path: <out>`` makes :func:`~raytrain_hymt.data.pipeline.build_datasets` stream these
 files instead of reading and tokenizing the sources: same columns, same rows, same order. The rows are
@@ -14,18 +23,27 @@ tokenization), which is what lets a corpus larger than the object store train.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
+import uuid
 from dataclasses import asdict
+from pathlib import Path
 
 from raytrain_hymt.config import Config
 from raytrain_hymt.data.pipeline import DataStats, fill_row_stats, lazy_datasets
-from raytrain_hymt.data.readers import DataSourceError, expand_paths
+from raytrain_hymt.data.readers import DataSourceError
 
 log = logging.getLogger(__name__)
 
+MANIFEST_FILE = "manifest.json"
 STATS_FILE = "stats.json"
+MANIFEST_FORMAT = 1
+
+
+class PreparedDatasetExists(DataSourceError):
+    """``hymt prepare`` into a folder that already holds something, without ``--overwrite``."""
 
 
 def prepared_with(cfg: Config) -> dict:
@@ -42,16 +60,27 @@ def _join(base: str, name: str) -> str:
     return f"{base.rstrip('/')}/{name}"
 
 
-def _write_text(path: str, text: str) -> None:
-    if "://" in path:
-        import pyarrow.fs as pafs
+def _fs(path: str):
+    """``(pyarrow filesystem, path on it)`` of a local folder or URI."""
+    import pyarrow.fs as pafs
 
-        fs, inner = pafs.FileSystem.from_uri(path)
+    if "://" in path:
+        return pafs.FileSystem.from_uri(path)
+    return pafs.LocalFileSystem(), path
+
+
+def _write_text(path: str, text: str) -> None:
+    """Write a file whole: a local file through a rename, an object in one upload."""
+    if "://" in path:
+        fs, inner = _fs(path)
         with fs.open_output_stream(inner) as f:
             f.write(text.encode())
     else:
-        with open(path, "w", encoding="utf-8") as f:
+        import os
+
+        with open(path + ".partial", "w", encoding="utf-8") as f:
             f.write(text)
+        os.replace(path + ".partial", path)
 
 
 def _read_text(path: str) -> str:
@@ -61,29 +90,84 @@ def _read_text(path: str) -> str:
         return f.read().decode("utf-8")
 
 
-def prepare_dataset(cfg: Config, out: str) -> DataStats:
-    """Read, clean, tokenize, split, order and pack the configured sources; write the train and
-    validation rows to ``<out>/{train,val}`` as Parquet and the statistics to ``<out>/stats.json``."""
+def _entries(out: str) -> list:
+    """What ``out`` holds at its top level ([] when it does not exist)."""
+    import pyarrow.fs as pafs
+
+    fs, inner = _fs(out)
+    return fs.get_file_info(pafs.FileSelector(inner, allow_not_found=True))
+
+
+def _check_target(out: str, overwrite: bool) -> None:
+    entries = _entries(out)
+    if entries and not overwrite:
+        names = sorted(e.base_name for e in entries)
+        what = "a prepared dataset" if MANIFEST_FILE in names else f"{len(names)} entries: {', '.join(names[:5])}"
+        raise PreparedDatasetExists(
+            f"hymt prepare: {out} is not empty ({what}); a second dataset is never mixed into it. Pass "
+            "--overwrite to replace it, or prepare into an empty or new folder"
+        )
+
+
+def _written_files(out: str, folder: str) -> list[str]:
+    """The Parquet files this prepare wrote into its own fresh ``folder``, relative to ``out``, in row order."""
+    import pyarrow.fs as pafs
+
+    fs, inner = _fs(_join(out, folder))
+    infos = fs.get_file_info(pafs.FileSelector(inner, allow_not_found=True))
+    names = sorted((i.base_name for i in infos if i.is_file and i.base_name.endswith(".parquet")), key=_file_order)
+    return [f"{folder}/{n}" for n in names]
+
+
+def _manifest_id(record: dict) -> str:
+    return hashlib.blake2b(json.dumps(record, sort_keys=True).encode(), digest_size=16).hexdigest()
+
+
+def prepare_dataset(cfg: Config, out: str, overwrite: bool = False) -> DataStats:
+    """Read, clean, tokenize, split, order and pack the configured sources and publish them as a
+    prepared dataset in ``out`` (see the module docstring); ``overwrite`` replaces what ``out`` holds."""
+    from raytrain_hymt.data.fingerprint import sources_fingerprint
     from raytrain_hymt.trainer import init_ray
 
     if cfg.data.prepared_path:
         raise DataSourceError("data.prepared_path is set: prepare reads data.sources; unset it to prepare again")
     if "://" not in out:
-        from pathlib import Path
-
         out = str(Path(out).expanduser().resolve())
+    _check_target(out, overwrite)  # before Ray starts or any file is read
+    fingerprint = sources_fingerprint(cfg)
+    if "://" not in out:
         Path(out).mkdir(parents=True, exist_ok=True)
     init_ray(cfg)
     train, val, stats = lazy_datasets(cfg)
+    write_id = f"w-{uuid.uuid4().hex[:12]}"
     # Packed from the materialized, ordered examples straight into files: the packed rows are never
     # materialized as a whole.
-    train.write_parquet(_join(out, "train"))
-    val.write_parquet(_join(out, "val"))
-    stats = fill_row_stats(stats, *_read_rows(out))
-    record = {"stats": asdict(stats), "prepared_with": prepared_with(cfg)}
-    _write_text(_join(out, STATS_FILE), json.dumps(record, indent=1, ensure_ascii=False))
-    log.info("prepared dataset written to %s", out)
+    train.write_parquet(_join(out, f"{write_id}/train"))
+    val.write_parquet(_join(out, f"{write_id}/val"))
+    files = {split: _written_files(out, f"{write_id}/{split}") for split in ("train", "val")}
+    stats = fill_row_stats(stats, *_read_files(out, files))
+    record = {"format": MANIFEST_FORMAT, "files": files, "stats": asdict(stats), "prepared_with": prepared_with(cfg),
+              "fingerprint": fingerprint}
+    manifest = {"id": _manifest_id(record), **record}
+    _write_text(_join(out, MANIFEST_FILE), json.dumps(manifest, indent=1, ensure_ascii=False))  # the commit
+    _write_text(_join(out, STATS_FILE), json.dumps({"stats": manifest["stats"], "prepared_with": manifest["prepared_with"]},
+                                                   indent=1, ensure_ascii=False))
+    _delete_all_but(out, {MANIFEST_FILE, STATS_FILE, write_id})
+    log.info("prepared dataset written to %s (manifest %s)", out, manifest["id"])
     return stats
+
+
+def _delete_all_but(out: str, keep: set[str]) -> None:
+    """Remove what an earlier dataset left in ``out`` (after the new manifest no reader sees it)."""
+    import pyarrow.fs as pafs
+
+    fs, _ = _fs(out)
+    for entry in _entries(out):
+        if entry.base_name not in keep:
+            if entry.type == pafs.FileType.Directory:
+                fs.delete_dir(entry.path)
+            else:
+                fs.delete_file(entry.path)
 
 
 def _file_order(name: str) -> tuple:
@@ -93,16 +177,29 @@ def _file_order(name: str) -> tuple:
     return (int(m.group(1)), int(m.group(2)), name) if m else (-1, -1, name)
 
 
-def _read_rows(path: str):
+def _read_files(path: str, files: dict[str, list[str]]):
+    """The train and validation rows of the manifest's ``files``, streamed from Parquet in order."""
     import ray.data
 
     def read(split: str):
-        files = sorted(expand_paths(_join(_join(path, split), "*.parquet"), required=False), key=_file_order)
-        if not files:
-            raise DataSourceError(f"prepared dataset {path!r}: no Parquet files in {split}/ (was hymt prepare run?)")
-        return ray.data.read_parquet(files, shuffle=None)
+        if not files[split]:
+            if split == "val":  # data.val_fraction 0: no validation rows, no files
+                return ray.data.from_items([])
+            raise DataSourceError(f"prepared dataset {path!r}: its manifest lists no {split} files")
+        return ray.data.read_parquet([_join(path, f) for f in files[split]], shuffle=None)
 
     return read("train"), read("val")
+
+
+def read_manifest(path: str) -> dict:
+    """The manifest of the prepared dataset at ``path``; a clear error when there is none."""
+    try:
+        return json.loads(_read_text(_join(path, MANIFEST_FILE)))
+    except (FileNotFoundError, OSError) as e:
+        raise DataSourceError(
+            f"data.prepared_path {path!r}: no {MANIFEST_FILE} ({e}): not a prepared dataset, one whose "
+            "prepare did not finish, or one from before manifests; run hymt prepare (with --overwrite) first"
+        ) from None
 
 
 def read_prepared(cfg: Config):
@@ -111,14 +208,11 @@ def read_prepared(cfg: Config):
 
     ray.data.DataContext.get_current().execution_options.preserve_order = True
     path = cfg.data.prepared_path
-    try:
-        record = json.loads(_read_text(_join(path, STATS_FILE)))
-    except (FileNotFoundError, OSError) as e:
-        raise DataSourceError(f"data.prepared_path {path!r}: no {STATS_FILE} ({e}); run hymt prepare first") from None
+    record = read_manifest(path)
     want = prepared_with(cfg)
     diff = {k: (v, want.get(k)) for k, v in record["prepared_with"].items() if want.get(k) != v}
     if diff:
         shown = ", ".join(f"{k}: prepared with {a!r}, configured {b!r}" for k, (a, b) in diff.items())
         raise DataSourceError(f"data.prepared_path {path!r} does not match this config ({shown}); prepare it again")
-    train, val = _read_rows(path)
+    train, val = _read_files(path, record["files"])
     return train, val, DataStats(**record["stats"])

@@ -2,10 +2,12 @@
 
 Every reader yields the same columns: ``src``, ``tgt``, ``src_lang``, ``tgt_lang`` (labels as found;
 canonicalised by cleaning), ``origin`` (``file:line`` for text files, ``file:row`` for Parquet/Arrow,
-1-based; for error messages), ``example_id`` (a stable 64-bit id of the source index and origin, used for
-deduplication ties, ordering and exact resume), ``source`` (index of the source in ``data.sources``) and
-``drop_reason`` (``malformed`` / ``invalid_utf8`` for rows that could not be parsed; counted, never
-silently lost; their ``src`` then says what was wrong and shows the raw text, for the log).
+1-based; for error messages), ``example_id`` (a stable 64-bit id of the source index, the file's name
+relative to the source's own root and the line or row: the same corpus gives the same ids wherever it
+lives; used for deduplication ties, ordering and exact resume), ``source`` (index of the source in
+``data.sources``) and ``drop_reason`` (``malformed`` / ``invalid_utf8`` for rows that could not be
+parsed; counted, never silently lost; their ``src`` then says what was wrong and shows the raw text, for
+the log).
 
 Formats (``SourceConfig.format``): ``tatoeba`` (4-column TSV), ``tsv`` / ``csv`` (2 columns; CSV through
 the ``csv`` module, so quoted fields may hold commas, quotes and newlines), ``moses`` (``<prefix>.<src_lang>``
@@ -46,10 +48,38 @@ class DataSourceError(ValueError):
     """A corpus that cannot be read: missing files, mismatched Moses files, unknown columns."""
 
 
-def example_id(source_index: int, origin: str) -> int:
-    """Stable signed 64-bit id of a row (same bytes → same id on every machine and run)."""
-    digest = hashlib.blake2b(f"{source_index}|{origin}".encode(), digest_size=8).digest()
+def example_id(source_index: int, where: str) -> int:
+    """Stable signed 64-bit id of a row from ``<stable file name>:<line or row>`` (same bytes → same id
+    on every machine and run)."""
+    digest = hashlib.blake2b(f"{source_index}|{where}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little", signed=True)
+
+
+@dataclass(frozen=True)
+class FileName:
+    """How a file is named in its rows: ``display`` in messages (``origin``: the path the user gave,
+    resolved), ``stable`` in ``example_id`` (relative to the source's own root, never an absolute or
+    cache path, so a corpus copied or mounted elsewhere keeps its ids and its order)."""
+
+    display: str
+    stable: str
+
+
+def source_root(pattern: str) -> str:
+    """The folder a source's files are named relative to: its path or URI up to the last ``/`` before
+    the first glob character (``/data/wmt/*.tsv`` → ``/data/wmt``; a single file or Moses prefix → its
+    folder); local paths resolved, as :func:`expand_paths` resolves the files."""
+    cut = min((pattern.index(ch) for ch in "*?[" if ch in pattern), default=len(pattern))
+    root = pattern[:cut].rsplit("/", 1)[0] if "/" in pattern[:cut] else ""
+    if "://" in pattern:
+        return root
+    return str(Path(root or ".").expanduser().resolve())
+
+
+def file_name(path: str, root: str) -> FileName:
+    """``path`` named for messages (as is) and for ids (relative to ``root``; its base name when outside)."""
+    prefix = root.rstrip("/") + "/"
+    return FileName(path, path[len(prefix):] if path.startswith(prefix) else path.rsplit("/", 1)[-1])
 
 
 def _is_glob(pattern: str) -> bool:
@@ -148,25 +178,27 @@ def count_lines(path: str) -> int:
 class _Blocks:
     """Collects rows and hands out Arrow blocks of :data:`LINES_PER_BLOCK` rows."""
 
-    def __init__(self, source_index: int):
+    def __init__(self, source_index: int, name: FileName):
         self.source_index = source_index
+        self.name = name
         self.cols: dict[str, list] = {c: [] for c in PAIR_COLUMNS}
 
-    def add(self, src: str, tgt: str, sl: str, tl: str, origin: str, reason: str = "") -> pa.Table | None:
+    def add(self, src: str, tgt: str, sl: str, tl: str, at: int, reason: str = "") -> pa.Table | None:
+        """A row read at line (or record) ``at`` of the file."""
         c = self.cols
         c["src"].append(src)
         c["tgt"].append(tgt)
         c["src_lang"].append(sl)
         c["tgt_lang"].append(tl)
-        c["origin"].append(origin)
-        c["example_id"].append(example_id(self.source_index, origin))
+        c["origin"].append(f"{self.name.display}:{at}")
+        c["example_id"].append(example_id(self.source_index, f"{self.name.stable}:{at}"))
         c["source"].append(self.source_index)
         c["drop_reason"].append(reason)
         return self.flush() if len(c["src"]) >= LINES_PER_BLOCK else None
 
-    def bad(self, origin: str, reason: str, problem: str, raw: str) -> pa.Table | None:
+    def bad(self, at: int, reason: str, problem: str, raw: str) -> pa.Table | None:
         """A row that could not be parsed: kept (to be counted) with what was wrong and the raw text."""
-        return self.add(f"{problem}: {raw[:SAMPLE_CHARS]}", "", "", "", origin, reason)
+        return self.add(f"{problem}: {raw[:SAMPLE_CHARS]}", "", "", "", at, reason)
 
     def flush(self) -> pa.Table | None:
         if not self.cols["src"]:
@@ -218,33 +250,32 @@ def delimited_parser(sep: str, src_lang: str, tgt_lang: str) -> LineParser:
     return parse
 
 
-def read_lines(path: str, source_index: int, parse: LineParser, display: str) -> Iterator[pa.Table]:
+def read_lines(path: str, source_index: int, parse: LineParser, name: FileName) -> Iterator[pa.Table]:
     """Stream one line-based file as blocks of pairs; unparseable lines become counted drop rows.
     Blank lines (e.g. a trailing one) are not data and are skipped."""
-    blocks = _Blocks(source_index)
+    blocks = _Blocks(source_index, name)
     for lineno, line, ok in _decoded_lines(path):
         if not line.strip():
             continue
-        origin = f"{display}:{lineno}"
         fields = parse(line) if ok else "not valid UTF-8"
         if isinstance(fields, str):
-            out = blocks.bad(origin, "malformed" if ok else "invalid_utf8", fields, line)
+            out = blocks.bad(lineno, "malformed" if ok else "invalid_utf8", fields, line)
         else:
-            out = blocks.add(*fields, origin)
+            out = blocks.add(*fields, lineno)
         if out is not None:
             yield out
     if (last := blocks.flush()) is not None:
         yield last
 
 
-def read_csv(path: str, source_index: int, src_lang: str, tgt_lang: str, display: str) -> Iterator[pa.Table]:
+def read_csv(path: str, source_index: int, src_lang: str, tgt_lang: str, name: FileName) -> Iterator[pa.Table]:
     """Stream a 2-column CSV (RFC 4180 quoting through the ``csv`` module; a record may span lines).
 
     ``origin`` is the record's first line. A record with another number of fields, or one the ``csv``
     module rejects (e.g. a stray quote), is ``malformed``; one touching a line that is not valid UTF-8 is
     ``invalid_utf8``.
     """
-    blocks = _Blocks(source_index)
+    blocks = _Blocks(source_index, name)
     state = {"first": 0, "last": 0, "bad_utf8": False, "text": []}
 
     def lines() -> Iterator[str]:
@@ -265,15 +296,15 @@ def read_csv(path: str, source_index: int, src_lang: str, tgt_lang: str, display
             break
         except csv.Error as e:
             record, problem = [], f"CSV error: {e}"
-        origin, raw = f"{display}:{state['first']}", "\n".join(state["text"])
+        at, raw = state["first"], "\n".join(state["text"])
         if state["bad_utf8"]:
-            out = blocks.bad(origin, "invalid_utf8", "not valid UTF-8", raw)
+            out = blocks.bad(at, "invalid_utf8", "not valid UTF-8", raw)
         elif problem:
-            out = blocks.bad(origin, "malformed", problem, raw)
+            out = blocks.bad(at, "malformed", problem, raw)
         elif not record or not "".join(record).strip():
             out = None  # a blank line
         else:
-            out = blocks.add(record[0], record[1], src_lang, tgt_lang, origin)
+            out = blocks.add(record[0], record[1], src_lang, tgt_lang, at)
         state.update(first=0, bad_utf8=False, text=[])
         if out is not None:
             yield out
@@ -281,18 +312,18 @@ def read_csv(path: str, source_index: int, src_lang: str, tgt_lang: str, display
         yield last
 
 
-def read_moses(src_path: str, tgt_path: str, source_index: int, src_lang: str, tgt_lang: str) -> Iterator[pa.Table]:
+def read_moses(src_path: str, tgt_path: str, source_index: int, src_lang: str, tgt_lang: str,
+               name: FileName) -> Iterator[pa.Table]:
     """Stream a Moses file pair line by line. Every line is a row (an empty side is dropped later as
-    ``empty``, so the alignment is never shifted); ``origin`` names the source file."""
-    blocks = _Blocks(source_index)
+    ``empty``, so the alignment is never shifted); ``origin`` (``name``) names the source-side file."""
+    blocks = _Blocks(source_index, name)
     src_lines, tgt_lines = _decoded_lines(src_path), _decoded_lines(tgt_path)
     for (lineno, src, ok_src), (_, tgt, ok_tgt) in zip(src_lines, tgt_lines, strict=True):
-        origin = f"{src_path}:{lineno}"
         if ok_src and ok_tgt:
-            out = blocks.add(src, tgt, src_lang, tgt_lang, origin)
+            out = blocks.add(src, tgt, src_lang, tgt_lang, lineno)
         else:
             bad = src_path if not ok_src else tgt_path
-            out = blocks.bad(origin, "invalid_utf8", f"not valid UTF-8 in {bad}", src if not ok_src else tgt)
+            out = blocks.bad(lineno, "invalid_utf8", f"not valid UTF-8 in {bad}", src if not ok_src else tgt)
         if out is not None:
             yield out
     if (last := blocks.flush()) is not None:
@@ -330,16 +361,15 @@ class Columns:
         return value
 
 
-def read_jsonl(path: str, source_index: int, columns: Columns, display: str) -> Iterator[pa.Table]:
+def read_jsonl(path: str, source_index: int, columns: Columns, name: FileName) -> Iterator[pa.Table]:
     """Stream a JSON-lines file: one object per line; a line that is not an object with both texts is
     ``malformed`` (its ``src`` says why)."""
-    blocks = _Blocks(source_index)
+    blocks = _Blocks(source_index, name)
     for lineno, line, ok in _decoded_lines(path):
         if not line.strip():
             continue
-        origin = f"{display}:{lineno}"
         if not ok:
-            out = blocks.bad(origin, "invalid_utf8", "not valid UTF-8", line)
+            out = blocks.bad(lineno, "invalid_utf8", "not valid UTF-8", line)
         else:
             try:
                 row = json.loads(line)
@@ -348,9 +378,9 @@ def read_jsonl(path: str, source_index: int, columns: Columns, display: str) -> 
                 src = columns.text(row, columns.src_column, columns.src_lang)
                 tgt = columns.text(row, columns.tgt_column, columns.tgt_lang)
             except ValueError as e:  # json.JSONDecodeError is a ValueError
-                out = blocks.bad(origin, "malformed", str(e), line)
+                out = blocks.bad(lineno, "malformed", str(e), line)
             else:
-                out = blocks.add(src, tgt, columns.src_lang, columns.tgt_lang, origin)
+                out = blocks.add(src, tgt, columns.src_lang, columns.tgt_lang, lineno)
         if out is not None:
             yield out
     if (last := blocks.flush()) is not None:
@@ -377,16 +407,16 @@ def _text_column(batch: pa.RecordBatch, column: str, lang: str, display: str) ->
     return array.to_pylist()
 
 
-def read_batches(batches: Iterable[pa.RecordBatch], source_index: int, columns: Columns, display: str) -> Iterator[pa.Table]:
+def read_batches(batches: Iterable[pa.RecordBatch], source_index: int, columns: Columns, name: FileName) -> Iterator[pa.Table]:
     """Arrow record batches (Parquet, Arrow IPC) → blocks of pairs; ``origin`` is ``file:row``."""
-    blocks = _Blocks(source_index)
+    blocks = _Blocks(source_index, name)
     row = 0
     for batch in batches:
-        srcs = _text_column(batch, columns.src_column, columns.src_lang, display)
-        tgts = _text_column(batch, columns.tgt_column, columns.tgt_lang, display)
+        srcs = _text_column(batch, columns.src_column, columns.src_lang, name.display)
+        tgts = _text_column(batch, columns.tgt_column, columns.tgt_lang, name.display)
         for src, tgt in zip(srcs, tgts):
             row += 1
-            out = blocks.add(src or "", tgt or "", columns.src_lang, columns.tgt_lang, f"{display}:{row}")
+            out = blocks.add(src or "", tgt or "", columns.src_lang, columns.tgt_lang, row)
             if out is not None:
                 yield out
     if (last := blocks.flush()) is not None:
@@ -492,38 +522,50 @@ def hf_arrow_files(source: SourceConfig) -> list[str]:
     return files
 
 
+def namer(source: SourceConfig) -> Callable[[str], FileName]:
+    """How the files of ``source`` are named in rows (:class:`FileName`): the bundled sample by its own
+    name, a Hugging Face hub dataset's cache files by their base names (the cache folder is no part of
+    the data), every other file relative to the source's root (its folder, for ``hf_disk``)."""
+    if source.path == "sample:":
+        return lambda path: FileName("sample:tatoeba-eng-zho.tsv", "sample:tatoeba-eng-zho.tsv")
+    if source.format == "hf_hub":
+        return lambda path: FileName(path, path.rsplit("/", 1)[-1])
+    root = str(Path(source.path).expanduser().resolve()) if source.format == "hf_disk" else source_root(source.path)
+    return lambda path: file_name(str(Path(path).resolve()) if source.format == "hf_disk" else path, root)
+
+
 def plan_source(source: SourceConfig, source_index: int) -> list[ReadUnit]:
     """The read tasks of one configured source. Checks what can be checked before reading (files exist,
     Moses line counts, languages given); row-level problems are found while reading."""
     fmt = source.format
+    name = namer(source)
     if fmt == "moses":
         src_lang, tgt_lang = _languages(source)
         pairs = moses_pairs(source)
         check_moses_line_counts(pairs)
-        return [ReadUnit(lambda s=s, t=t: read_moses(s, t, source_index, src_lang, tgt_lang), (s, t)) for s, t in pairs]
+        return [ReadUnit(lambda s=s, t=t: read_moses(s, t, source_index, src_lang, tgt_lang, name(s)), (s, t))
+                for s, t in pairs]
     if fmt in ("hf_disk", "hf_hub"):
         files = hf_arrow_files(source)
     else:
         files = expand_paths(source.path)
 
-    def display(path: str) -> str:
-        return "sample:tatoeba-eng-zho.tsv" if source.path == "sample:" else path
-
     if fmt == "tatoeba":
         parse = tatoeba_parser(source.src_lang, source.tgt_lang)
-        return [ReadUnit(lambda p=p: read_lines(p, source_index, parse, display(p)), (p,)) for p in files]
+        return [ReadUnit(lambda p=p: read_lines(p, source_index, parse, name(p)), (p,)) for p in files]
     src_lang, tgt_lang = _languages(source)
     if fmt == "tsv":
         parse = delimited_parser("\t", src_lang, tgt_lang)
-        return [ReadUnit(lambda p=p: read_lines(p, source_index, parse, p), (p,)) for p in files]
+        return [ReadUnit(lambda p=p: read_lines(p, source_index, parse, name(p)), (p,)) for p in files]
     if fmt == "csv":
-        return [ReadUnit(lambda p=p: read_csv(p, source_index, src_lang, tgt_lang, p), (p,)) for p in files]
+        return [ReadUnit(lambda p=p: read_csv(p, source_index, src_lang, tgt_lang, name(p)), (p,)) for p in files]
     columns = Columns(source.src_column, source.tgt_column, src_lang, tgt_lang)
     if fmt == "jsonl":
-        return [ReadUnit(lambda p=p: read_jsonl(p, source_index, columns, p), (p,)) for p in files]
+        return [ReadUnit(lambda p=p: read_jsonl(p, source_index, columns, name(p)), (p,)) for p in files]
     if fmt == "parquet":
-        return [ReadUnit(lambda p=p: read_batches(parquet_batches(p, columns), source_index, columns, p), (p,)) for p in files]
-    return [ReadUnit(lambda p=p: read_batches(arrow_stream_batches(p), source_index, columns, p), (p,)) for p in files]
+        return [ReadUnit(lambda p=p: read_batches(parquet_batches(p, columns), source_index, columns, name(p)), (p,))
+                for p in files]
+    return [ReadUnit(lambda p=p: read_batches(arrow_stream_batches(p), source_index, columns, name(p)), (p,)) for p in files]
 
 
 def _planned_datasource(units: list[ReadUnit]):
@@ -546,9 +588,21 @@ def _planned_datasource(units: list[ReadUnit]):
     return PlannedFiles()
 
 
-def read_source(source: SourceConfig, source_index: int):
-    """One configured source as a Ray Dataset of pairs (one read task per file, streamed in blocks)."""
+def read_units(units: list[ReadUnit]):
+    """Planned read tasks as a Ray Dataset of pairs (one read task per unit, streamed in blocks)."""
     import ray.data
 
-    units = plan_source(source, source_index)
     return ray.data.read_datasource(_planned_datasource(units), override_num_blocks=len(units))
+
+
+def read_source(source: SourceConfig, source_index: int):
+    """One configured source as a Ray Dataset of pairs (one read task per file, streamed in blocks)."""
+    return read_units(plan_source(source, source_index))
+
+
+def file_size(path: str) -> int:
+    """Bytes of a local file or pyarrow-filesystem URI."""
+    if "://" in path:
+        fs, inner = _filesystem(path)
+        return fs.get_file_info(inner).size
+    return Path(path).stat().st_size
