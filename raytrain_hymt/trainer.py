@@ -130,6 +130,7 @@ def _trainer(cfg: Config, train, val, loop_inputs: dict, callbacks=(), loop=None
     if os.environ.get("HYMT_VERBOSE"):
         env["HYMT_VERBOSE"] = "1"
     env.update({k: os.environ[k] for k in FORWARDED_ENV if os.environ.get(k)})  # tests' fault injection
+    env.update(cfg.scaling.env)
     ordered = ExecutionOptions(preserve_order=True)
     return TorchTrainer(
         loop or train_loop,
@@ -205,6 +206,10 @@ def run_training(cfg: Config, *, datasets=None, callbacks=(), parent_run_id: str
     from raytrain_hymt.storage import RunFolder
 
     started = time.time()
+    # The driver reads and writes the run folder itself, and a local Ray it starts passes its
+    # environment on to every process (Ray Train's controller too): scaling.env (an object store's
+    # endpoint, say) has to be in place here first.
+    os.environ.update(cfg.scaling.env)
     preflight(cfg)
     cfg.run.name = run_name(cfg)
     folder = RunFolder(cfg.run.storage_path, cfg.run.name)
