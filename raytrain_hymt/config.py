@@ -9,15 +9,17 @@ before Ray or a GPU is touched.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "jobs" / "configs"
 DEFAULT_PRESET = "tiny-cpu"
+_ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 class ConfigError(ValueError):
@@ -230,6 +232,25 @@ class ScalingConfig(_Section):
     local_num_cpus: int | None = Field(None, ge=1)
     """Logical CPUs declared when this job starts its own local Ray (None: at least 4, since 2 workers
     plus the tokenizer actors never get scheduled on 2 logical CPUs)."""
+    env: dict[str, str] = {}
+    """Environment variables for the run's processes (NCCL settings such as ``NCCL_SOCKET_IFNAME``, an
+    S3-compatible ``AWS_ENDPOINT_URL``): set on the driver, and passed to every training worker and
+    evaluation replica through its Ray runtime environment. Values of secret-looking names are redacted
+    from MLflow. Numbers are written as text (``NCCL_IB_DISABLE: 1`` is ``"1"``)."""
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env_as_text(cls, value: Any) -> Any:
+        if not isinstance(value, Mapping):
+            return value
+        out = {}
+        for key, item in value.items():
+            if not isinstance(key, str) or not _ENV_NAME_RE.fullmatch(key):
+                raise ValueError(f"{key!r} is not an environment variable name (letters, digits, _; not a digit first)")
+            if isinstance(item, bool) or not isinstance(item, (str, int, float)):
+                raise ValueError(f"{key}: give text or a number (got {item!r}); quote it, e.g. '1' or 'true'")
+            out[key] = str(item)
+        return out
 
 
 class CheckpointConfig(_Section):

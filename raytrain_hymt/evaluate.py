@@ -271,6 +271,7 @@ def translate(rows: list[dict], cfg, model: str) -> list[str]:
             batch_size=e.batch_size, batch_format="numpy", compute=ray.data.ActorPoolStrategy(size=workers),
             num_gpus=1 if gpu else 0, num_cpus=1,
             ray_remote_args_fn=_no_restarts,
+            **({"runtime_env": {"env_vars": cfg.scaling.env}} if cfg.scaling.env else {}),
         )
     try:
         by_id = {int(r["id"]): str(r["hyp"]) for r in out.iter_rows()}

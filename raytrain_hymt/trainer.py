@@ -133,6 +133,7 @@ def _trainer(cfg: Config, train, val, loop_inputs: dict, callbacks=(), loop=None
     if os.environ.get("HYMT_VERBOSE"):
         env["HYMT_VERBOSE"] = "1"
     env.update({k: os.environ[k] for k in FORWARDED_ENV if os.environ.get(k)})  # tests' fault injection
+    env.update(cfg.scaling.env)
     ordered = ExecutionOptions(preserve_order=True)
     return TorchTrainer(
         loop or train_loop,
@@ -155,10 +156,20 @@ def _trainer(cfg: Config, train, val, loop_inputs: dict, callbacks=(), loop=None
     )
 
 
+def use_driver_env(cfg: Config) -> None:
+    """Put ``scaling.env`` into this (the driver's) environment.
+
+    The driver reads and writes the run folder itself, and a local Ray it starts passes its environment on
+    to every process (Ray Train's controller too), so an object store's endpoint has to be in place first.
+    """
+    os.environ.update(cfg.scaling.env)
+
+
 def finished_summary(cfg: Config) -> TrainingSummary | None:
     """The summary of a run of this name that already finished, or None."""
     from raytrain_hymt.storage import RunFolder
 
+    use_driver_env(cfg)
     if not cfg.run.name:
         return None
     text = RunFolder(cfg.run.storage_path, cfg.run.name, create=False).read_text(SUMMARY_FILE)
@@ -213,6 +224,7 @@ def run_training(cfg: Config, *, datasets=None, callbacks=(), parent_run_id: str
     from raytrain_hymt.train_loop import MODEL_DIR
 
     started = time.time()
+    use_driver_env(cfg)
     preflight(cfg)
     cfg.run.name = run_name(cfg)
     folder = RunFolder(cfg.run.storage_path, cfg.run.name)

@@ -1,22 +1,22 @@
-"""Start a real `ray start --head` cluster on loopback for a test, and stop exactly that cluster.
+"""Start a real `ray start --head` cluster on loopback for a test (optionally with more nodes), and stop
+exactly that cluster.
 
-`ray stop` would kill every Ray on the machine (including the test session's own), so the head runs with
-`--block` in its own process group: every process it starts stays in that group, and the group is
-stopped with SIGTERM (graceful drain), then SIGKILL.
+`ray stop` would kill every Ray on the machine (including the test session's own), so each node runs with
+`--block` in its own process group, temp dir and ports: every process it starts stays in that group, and
+the group is stopped with SIGTERM (graceful drain), then SIGKILL.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from mlflow_server import free_port
+from mlflow_server import _stop_group, free_port
 
 BIN = Path(sys.executable).parent
 
@@ -37,34 +37,61 @@ def _wait_for(url: str, timeout_s: float) -> None:
     raise TimeoutError(f"{url} did not answer within {timeout_s} s")
 
 
-@contextlib.contextmanager
-def ray_head(num_cpus: int = 6):
-    """Yield ``(dashboard_url, env)`` of a fresh head node; ``env`` lets the Ray CLI talk to it."""
+NODE_PORTS = ("node-manager-port", "object-manager-port", "metrics-export-port", "dashboard-agent-listen-port",
+              "dashboard-agent-grpc-port", "runtime-env-agent-port")
+
+
+def _start_node(args: list[str], env: dict) -> subprocess.Popen:
+    """``ray start ... --block`` in a new process group, logging to ``<temp dir>/ray-start.log``."""
     temp_dir = tempfile.mkdtemp(prefix="hymt-ray-", dir="/tmp")  # short: Ray's socket paths have a length limit
-    ports = {name: free_port() for name in ("port", "dashboard-port", "ray-client-server-port",
-                                           "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
-                                           "runtime-env-agent-port", "metrics-export-port",
-                                           "node-manager-port", "object-manager-port")}
+    ports = [f"--{name}={free_port()}" for name in NODE_PORTS]
+    with open(Path(temp_dir) / "ray-start.log", "w") as log:
+        return subprocess.Popen(
+            [str(BIN / "ray"), "start", "--block", "--node-ip-address=127.0.0.1", "--disable-usage-stats",
+             f"--temp-dir={temp_dir}", "--min-worker-port=0", "--max-worker-port=0", *ports, *args],
+            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+
+
+@contextlib.contextmanager
+def ray_head(num_cpus: int = 6, worker_nodes: tuple[int, ...] = ()):
+    """Yield ``(dashboard_url, env)`` of a fresh head node; ``env`` lets the Ray CLI talk to it.
+
+    ``worker_nodes``: one more node per entry, joined to the head, with that many logical CPUs.
+    """
+    ports = {name: free_port() for name in ("port", "dashboard-port", "ray-client-server-port")}
     # The job's `python` is the first one on the PATH of the `ray start` process (FACTS.md).
     env = dict(os.environ, PATH=f"{BIN}:{os.environ.get('PATH', '')}", RAY_AUTH_MODE="token")
     env.pop("RAY_ADDRESS", None)
-    args = [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
-            "--dashboard-host=127.0.0.1", f"--num-cpus={num_cpus}", "--disable-usage-stats",
-            f"--temp-dir={temp_dir}", "--min-worker-port=0", "--max-worker-port=0",
-            *(f"--{k}={v}" for k, v in ports.items())]
-    log = open(Path(temp_dir) / "ray-start.log", "w")
-    proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    nodes = [_start_node(["--head", "--dashboard-host=127.0.0.1", f"--num-cpus={num_cpus}",
+                          *(f"--{k}={v}" for k, v in ports.items())], env)]
     url = f"http://127.0.0.1:{ports['dashboard-port']}"
     try:
         _wait_for(f"{url}/api/version", 90)
+        for cpus in worker_nodes:
+            nodes.append(_start_node([f"--address=127.0.0.1:{ports['port']}", f"--num-cpus={cpus}"], env))
+        if worker_nodes:
+            _wait_for_nodes(env, url, 1 + len(worker_nodes), 90)
         yield url, env
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            pass
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
+        for proc in reversed(nodes):
+            _stop_group(proc, grace_s=20)  # SIGTERM: each `ray start --block` drains its node; then SIGKILL
+
+
+def alive_node_ids(env: dict, url: str) -> set[str]:
+    """The ids of the cluster's alive nodes (``ray list nodes``)."""
+    import json
+
+    listed = subprocess.run([str(BIN / "ray"), "list", "nodes", "--address", url, "--format", "json",
+                             "--filter", "state=ALIVE"], env=env, capture_output=True, text=True, timeout=60)
+    if listed.returncode != 0 or not listed.stdout.startswith("["):  # "No resource in the cluster" at first
+        return set()
+    return {n["node_id"] for n in json.loads(listed.stdout)}
+
+
+def _wait_for_nodes(env: dict, url: str, count: int, timeout_s: float) -> None:
+    deadline = time.time() + timeout_s
+    while len(alive_node_ids(env, url)) < count:
+        if time.time() > deadline:
+            raise TimeoutError(f"the cluster at {url} did not reach {count} nodes within {timeout_s} s")
+        time.sleep(1)

@@ -9,33 +9,60 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from ray_cluster import BIN, ray_head
+from fault_tolerance_common import read_records
+from ray_cluster import BIN, alive_node_ids, ray_head
 
 pytestmark = pytest.mark.integration
+
+
+def _submit_train(url: str, env: dict, submission_id: str, name: str, storage: Path, *sets: str) -> tuple[str, str]:
+    """Submit a 6-step tiny ``jobs/train.py`` run with the Ray CLI, wait for it; ``(status, job logs)``."""
+    overrides = [f"run.storage_root={storage}", "optim.max_steps=6", "checkpoint.every_steps=3",
+                 "eval.every_steps=3", *sets]
+    submit = subprocess.run(
+        [str(BIN / "ray"), "job", "submit", "--address", url, "--submission-id", submission_id,
+         "--working-dir", ".", "--", "python", "jobs/train.py", "--name", name,
+         *(arg for o in overrides for arg in ("--set", o))],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )
+    status = subprocess.run(
+        [str(BIN / "python"), "-c", "import sys; from ray.job_submission import JobSubmissionClient as C; "
+         "print(C(sys.argv[1]).get_job_status(sys.argv[2]).value)", url, submission_id],
+        env=env, capture_output=True, text=True, timeout=60,
+    )
+    logs = subprocess.run([str(BIN / "ray"), "job", "logs", "--address", url, submission_id],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=60).stdout
+    state = status.stdout.strip()
+    assert state == "SUCCEEDED", f"{state}{status.stderr}\n{submit.stdout[-3000:]}\n{logs[-3000:]}"
+    return state, logs
 
 
 def test_train_job_submitted_with_the_ray_cli_succeeds(tmp_path):
     storage = tmp_path / "runs"
     with ray_head() as (url, env):
-        submit = subprocess.run(
-            [str(BIN / "ray"), "job", "submit", "--address", url, "--submission-id", "hymt-e2e",
-             "--working-dir", ".", "--", "python", "jobs/train.py", "--name", "submitted",
-             "--set", f"run.storage_root={storage}", "--set", "optim.max_steps=6",
-             "--set", "checkpoint.every_steps=3", "--set", "eval.every_steps=3"],
-            cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
-        )
-        status = subprocess.run(
-            [str(BIN / "python"), "-c", "import sys; from ray.job_submission import JobSubmissionClient as C; "
-             "print(C(sys.argv[1]).get_job_status('hymt-e2e').value)", url],
-            env=env, capture_output=True, text=True, timeout=60,
-        )
-        logs = subprocess.run([str(BIN / "ray"), "job", "logs", "--address", url, "hymt-e2e"],
-                              cwd=REPO, env=env, capture_output=True, text=True, timeout=60).stdout
-    assert status.stdout.strip() == "SUCCEEDED", f"{status.stdout}{status.stderr}\n{submit.stdout[-3000:]}"
+        _, logs = _submit_train(url, env, "hymt-e2e", "submitted", storage)
     assert "run submitted: 6 steps" in logs
     summary = json.loads((storage / "submitted" / "summary.json").read_text())
     assert summary["steps"] == 6
     assert Path(summary["model_dir"], "model.safetensors").exists()
+
+
+def test_train_job_on_two_nodes_places_workers_on_both(tmp_path):
+    """A head and a second node (two `ray start` processes on loopback). Each training worker asks for 3
+    logical CPUs: the head (5) and the other node (3) can each host one, so Ray must place them apart.
+    Each rank's per-step record (``HYMT_RECORD_DIR``, brought to the workers by ``scaling.env``) names
+    the node it ran on."""
+    storage, records = tmp_path / "runs", tmp_path / "records"
+    with ray_head(num_cpus=5, worker_nodes=(3,)) as (url, env):
+        nodes = alive_node_ids(env, url)
+        _, logs = _submit_train(url, env, "hymt-two-nodes", "two-nodes", storage, "scaling.cpus_per_worker=3",
+                                f"scaling.env.HYMT_RECORD_DIR={records}", "tracking.enabled=false")
+    assert "run two-nodes: 6 steps" in logs
+    assert len(nodes) == 2
+    ran_on = [{r["node"] for r in read_records(records, rank)} for rank in (0, 1)]
+    assert all(len(n) == 1 for n in ran_on), ran_on  # no restarts: one node per rank
+    assert ran_on[0] | ran_on[1] == nodes  # both nodes, one worker each
+    assert json.loads((storage / "two-nodes" / "summary.json").read_text())["steps"] == 6
 
 
 def test_tune_job_submitted_with_the_ray_cli_succeeds(tmp_path):
