@@ -138,77 +138,22 @@ def score(hypotheses: list[str], references: list[str], target_code: str) -> dic
             "bleu_signature": str(bleu.get_signature()), "chrf_signature": str(chrf.get_signature())}
 
 
-#: Prefix of the local copies replicas make of a model given as a URI (``<tempdir>/<prefix><token>-*``).
-COPY_PREFIX = "hymt-eval-model-"
-
-
-def local_model_path(model: str, token: str = "") -> str:
-    """``model`` itself, or for a URI (``s3://``, ``gs://``, ``file://``) a local copy of that folder: a
-    replica may run on any node, and only a shared path, a hub id or a URI reaches every node. ``token``
-    names the evaluation the copy belongs to (its driver removes what its replicas leave on its node)."""
-    from raytrain_hymt.storage import is_uri
-
-    if not is_uri(model):
-        return model
-    import tempfile
-
-    import pyarrow.fs
-
-    fs, path = pyarrow.fs.FileSystem.from_uri(model)
-    local = tempfile.mkdtemp(prefix=f"{COPY_PREFIX}{token}-")
-    pyarrow.fs.copy_files(path, local, source_filesystem=fs, destination_filesystem=pyarrow.fs.LocalFileSystem())
-    return local
-
-
 class Translator:
-    """Ray Data actor: one model replica translating batches of rows with greedy decoding."""
+    """Ray Data actor: one model replica translating batches of rows (:mod:`~raytrain_hymt.generation`)."""
 
     def __init__(self, model: str, precision: str, max_new_tokens: int, use_gpu: bool,
-                 trust_remote_code: bool = False, copy_token: str = ""):
-        import torch
-        import transformers
-        from transformers import GenerationConfig
+                 trust_remote_code: bool = False, copy_token: str = "", sample: bool = False):
+        from raytrain_hymt.generation import load_generator
 
-        from raytrain_hymt.data.tokenize import answer_suffix
-        from raytrain_hymt.model import load_model, load_tokenizer
-
-        transformers.utils.logging.disable_progress_bar()  # one bar per replica would clutter the job's log
-        self.device = torch.device("cuda", 0) if use_gpu else torch.device("cpu")
-        local = local_model_path(model, copy_token)
-        self.tokenizer = load_tokenizer(local, trust_remote_code)
-        self.tokenizer.padding_side = "left"  # generation continues every row from its last prompt token
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
-        self.model = load_model(local, self.tokenizer, dtype=dtype, trust_remote_code=trust_remote_code,
-                                device=self.device).to(self.device).eval()
-        if local != model:
-            # Loaded (a memory-mapped file stays readable after its unlink): free the disk (16 GB at 7B).
-            shutil.rmtree(local, ignore_errors=True)
-        # The chat template's end-of-answer token (Hunyuan: <|eos|>) ends each translation.
-        stop = self.tokenizer.convert_tokens_to_ids(answer_suffix(self.tokenizer).strip())
-        stop_ids = sorted({stop, self.tokenizer.eos_token_id} - {None, self.tokenizer.unk_token_id})
-        # Greedy, whatever sampling defaults the model folder's generation_config.json carries (Hunyuan-MT's
-        # top_k/top_p/temperature): scores must not depend on a seed. Replacing the model's own config
-        # (rather than passing one per call) also keeps transformers from warning about the unused flags.
-        self.model.generation_config = GenerationConfig(
-            do_sample=False, num_beams=1, max_new_tokens=max_new_tokens, eos_token_id=stop_ids,
-            pad_token_id=self.tokenizer.pad_token_id)
+        self.generator = load_generator(model, precision, max_new_tokens, use_gpu, trust_remote_code,
+                                        sample=sample, copy_token=copy_token)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        import torch
+        from raytrain_hymt.generation import translate_or_report
 
-        from raytrain_hymt.data.prompts import build_prompt
-        from raytrain_hymt.data.tokenize import render_prompts
-
-        prompts = [build_prompt(str(s), str(a), str(b))
-                   for s, a, b in zip(batch["src"], batch["src_lang"], batch["tgt_lang"])]
-        enc = self.tokenizer(render_prompts(self.tokenizer, prompts), add_special_tokens=False, padding=True,
-                             return_tensors="pt").to(self.device)
-        with torch.no_grad():
-            out = self.model.generate(**enc)
-        new = out[:, enc["input_ids"].shape[1]:]
-        texts = self.tokenizer.batch_decode(new, skip_special_tokens=True)
+        texts, errors = translate_or_report(self.generator, batch["src"], batch["src_lang"], batch["tgt_lang"])
         result = dict(batch)
-        result["hyp"] = np.array([t.strip() for t in texts], dtype=object)
+        result["hyp"], result["error"] = np.array(texts, dtype=object), np.array(errors, dtype=object)
         return result
 
 
@@ -241,10 +186,12 @@ def _no_restarts() -> dict:
     return {"max_restarts": 0}
 
 
-def translate(rows: list[dict], cfg, model: str) -> list[str]:
-    """Hypotheses for ``rows`` (in their order), from a Ray Data actor pool of ``cfg.eval.workers`` replicas.
+def translate(rows: list[dict], cfg, model: str, sample: bool = False) -> tuple[list[str], list[str]]:
+    """Hypotheses for ``rows`` (in their order), from a Ray Data actor pool of ``cfg.eval.workers`` replicas,
+    and per row the error that stopped its translation ("" when none).
 
-    Needs a running Ray. On GPU clusters each replica holds one GPU; on CPU one logical CPU.
+    Needs a running Ray. On GPU clusters each replica holds one GPU; on CPU one logical CPU. ``sample``:
+    the model card's sampling settings instead of greedy decoding.
     """
     import glob
     import tempfile
@@ -252,13 +199,15 @@ def translate(rows: list[dict], cfg, model: str) -> list[str]:
 
     import ray.data
 
+    from raytrain_hymt.generation import COPY_PREFIX, batches_longest_first
+
     e = cfg.eval
     # No more replicas than batches: each loads the whole model, and one still loading when the work is
     # done would be killed for nothing.
     workers = min(e.workers or cfg.scaling.num_workers, -(-len(rows) // e.batch_size))
     token = uuid.uuid4().hex[:12]
-    # Longest first, so similar lengths share a batch (little padding) and the slowest batches start early.
-    ordered = sorted(rows, key=lambda r: -len(r["src"]))
+    # Consecutive rows form a replica's batch: the same batches as every other caller of generation.
+    ordered = [rows[i] for b in batches_longest_first([r["src"] for r in rows], e.batch_size) for i in b]
     ds = ray.data.from_items([{k: r[k] for k in ("id", "src", "src_lang", "tgt_lang")} for r in ordered])
     gpu = cfg.scaling.use_gpu
     with warnings.catch_warnings():
@@ -267,18 +216,19 @@ def translate(rows: list[dict], cfg, model: str) -> list[str]:
             Translator,
             fn_constructor_kwargs=dict(model=model, precision=cfg.deepspeed.precision,
                                        max_new_tokens=e.max_new_tokens, use_gpu=gpu,
-                                       trust_remote_code=cfg.model.trust_remote_code, copy_token=token),
+                                       trust_remote_code=cfg.model.trust_remote_code, copy_token=token,
+                                       sample=sample),
             batch_size=e.batch_size, batch_format="numpy", compute=ray.data.ActorPoolStrategy(size=workers),
             num_gpus=1 if gpu else 0, num_cpus=1,
             ray_remote_args_fn=_no_restarts,
         )
     try:
-        by_id = {int(r["id"]): str(r["hyp"]) for r in out.iter_rows()}
+        by_id = {int(r["id"]): (str(r["hyp"]), str(r["error"])) for r in out.iter_rows()}
     finally:
         # A replica removes its copy once loaded; one that failed or was stopped while loading cannot.
         for leftover in glob.glob(f"{tempfile.gettempdir()}/{COPY_PREFIX}{token}-*"):
             shutil.rmtree(leftover, ignore_errors=True)
-    return [by_id[r["id"]] for r in rows]
+    return [by_id[r["id"]][0] for r in rows], [by_id[r["id"]][1] for r in rows]
 
 
 def evaluate_model(cfg, model: str, eval_root: Path | None = None) -> EvalResult:
@@ -291,7 +241,12 @@ def evaluate_model(cfg, model: str, eval_root: Path | None = None) -> EvalResult
     test_set = load_test_set(e.test_set)
     out_dir = eval_root / test_set.name if eval_root is not None else None
     rows = plan_rows(test_set, e.directions, e.max_sentences)
-    hyps = translate(rows, cfg, model)
+    hyps, errors = translate(rows, cfg, model)
+    failed = [(r, err) for r, err in zip(rows, errors) if err]
+    if failed:
+        r, err = failed[0]
+        raise RuntimeError(f"{len(failed)} sentence(s) could not be translated, first {r['direction']} line "
+                           f"{r['index'] + 1}: {err}")
     result = EvalResult(test_set=test_set.name, model=model)
     for direction in dict.fromkeys(r["direction"] for r in rows):
         picked = [(h, r) for h, r in zip(hyps, rows) if r["direction"] == direction]
