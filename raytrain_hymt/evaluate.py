@@ -3,8 +3,8 @@
 The test set is a folder of line-aligned files, one per language, named by any label
 :func:`~raytrain_hymt.languages.resolve` accepts (``eng_Latn.devtest``, ``zho_Hans.devtest``, ``de.txt``).
 Each direction ``src-tgt`` translates the ``src`` file's lines with the model card's prompt and greedy
-decoding, and scores them against the ``tgt`` file's lines with sacrebleu: BLEU (tokenized for the target
-language: ``zh`` for Chinese, characters for Japanese/Thai/Khmer/Burmese, ``13a`` otherwise) and chrF.
+decoding, and scores them against the ``tgt`` file's lines with sacrebleu (BLEU, chrF, chrF++ and TER:
+:mod:`~raytrain_hymt.scoring`, which also keeps the history of evaluations).
 
 Translation is batch inference on Ray Data: an actor pool of model replicas (one GPU each on GPU
 clusters), sentences sorted by length so each batch pads little. The planning and scoring functions are
@@ -24,14 +24,11 @@ import numpy as np
 
 from raytrain_hymt.config import ConfigError, EvalConfig
 from raytrain_hymt.languages import is_supported, resolve
+# bleu_tokenizer: re-exported, callers of this module's scoring before scoring.py existed use it.
+from raytrain_hymt.scoring import (HISTORY_FILE, METRICS, bleu_tokenizer, new_evaluation_dir,  # noqa: F401
+                                   record_evaluation, score)
 
 log = logging.getLogger("raytrain_hymt")
-
-SCORES_FILE = "scores.json"
-
-# Target languages written without spaces between words: 13a would score whole sentences as one token.
-_BLEU_TOKENIZE = {"zh": "zh", "zh-Hant": "zh", "yue": "zh", "ja": "char", "th": "char", "km": "char", "my": "char"}
-
 
 def parse_direction(text: str) -> tuple[str, str]:
     """``"en-zh"`` → ``("en", "zh")``; codes with a dash of their own work too (``"zh-Hant-en"``).
@@ -45,11 +42,6 @@ def parse_direction(text: str) -> tuple[str, str]:
         why = "is ambiguous" if valid else "does not name two Hunyuan-MT languages"
         raise ConfigError(f"eval.directions: {text!r} {why}; write <source>-<target>, e.g. en-zh or zh-Hant-en")
     return valid[0]
-
-
-def bleu_tokenizer(target_code: str) -> str:
-    """sacrebleu's ``tokenize`` for BLEU on ``target_code`` text (chrF needs none)."""
-    return _BLEU_TOKENIZE.get(target_code, "13a")
 
 
 @dataclass
@@ -126,18 +118,6 @@ def plan_rows(test_set: TestSet, directions: list[str], max_sentences: int | Non
     return rows
 
 
-def score(hypotheses: list[str], references: list[str], target_code: str) -> dict:
-    """Corpus BLEU and chrF of one direction, with sacrebleu's signatures (what was measured, exactly)."""
-    import sacrebleu
-
-    bleu = sacrebleu.metrics.BLEU(tokenize=bleu_tokenizer(target_code))
-    chrf = sacrebleu.metrics.CHRF()
-    b = bleu.corpus_score(hypotheses, [references])
-    c = chrf.corpus_score(hypotheses, [references])
-    return {"bleu": b.score, "chrf": c.score, "sentences": len(hypotheses),
-            "bleu_signature": str(bleu.get_signature()), "chrf_signature": str(chrf.get_signature())}
-
-
 class Translator:
     """Ray Data actor: one model replica translating batches of rows (:mod:`~raytrain_hymt.generation`)."""
 
@@ -167,13 +147,14 @@ class EvalResult:
     out_dir: str | None = None
 
     def metrics(self) -> dict[str, float]:
-        """MLflow metric names: ``test/<set>/<src>-<tgt>/bleu`` and ``.../chrf``."""
-        return {f"test/{self.test_set}/{d}/{k}": s[k] for d, s in self.scores.items() for k in ("bleu", "chrf")}
+        """MLflow metric names: ``test/<set>/<src>-<tgt>/bleu`` (and ``chrf``, ``chrfpp``, ``ter``)."""
+        return {f"test/{self.test_set}/{d}/{k}": s[k] for d, s in self.scores.items() for k in METRICS}
 
     def lines(self) -> list[str]:
         """A small table for the console."""
-        out = [f"test set {self.test_set}: {self.model}", "  direction  sentences   BLEU   chrF"]
-        out += [f"  {d:<9}  {s['sentences']:>9}  {s['bleu']:5.2f}  {s['chrf']:5.2f}" for d, s in self.scores.items()]
+        out = [f"test set {self.test_set}: {self.model}", "  direction  sentences   BLEU   chrF  chrF++    TER"]
+        out += [f"  {d:<9}  {s['sentences']:>9}  {s['bleu']:5.2f}  {s['chrf']:5.2f}  {s['chrfpp']:6.2f}  {s['ter']:5.2f}"
+                for d, s in self.scores.items()]
         if self.out_dir:
             out.append(f"  translations: {self.out_dir}")
         return out
@@ -231,15 +212,16 @@ def translate(rows: list[dict], cfg, model: str, sample: bool = False) -> tuple[
     return [by_id[r["id"]][0] for r in rows], [by_id[r["id"]][1] for r in rows]
 
 
-def evaluate_model(cfg, model: str, eval_root: Path | None = None) -> EvalResult:
+def evaluate_model(cfg, model: str, eval_root: Path | None = None, step: int | None = None) -> EvalResult:
     """Translate ``cfg.eval.test_set`` with ``model`` (folder, hub id or ``tiny``) and score every direction.
 
-    With ``eval_root``, writes ``<eval_root>/<test set>/<src>-<tgt>.hyp`` (one translation per line, in
-    the test set's order) and ``scores.json`` there.
+    With ``eval_root``, keeps the evaluation in the history of :mod:`~raytrain_hymt.scoring`: a new
+    ``<eval_root>/<test set>/<time>/`` with ``<src>-<tgt>.hyp`` (one translation per line, in the test
+    set's order) and ``scores.json``, and a line in ``<eval_root>/<test set>/history.jsonl``. ``step``: the
+    training step of the model, recorded with the scores.
     """
     e: EvalConfig = cfg.eval
     test_set = load_test_set(e.test_set)
-    out_dir = eval_root / test_set.name if eval_root is not None else None
     rows = plan_rows(test_set, e.directions, e.max_sentences)
     hyps, errors = translate(rows, cfg, model)
     failed = [(r, err) for r, err in zip(rows, errors) if err]
@@ -248,25 +230,34 @@ def evaluate_model(cfg, model: str, eval_root: Path | None = None) -> EvalResult
         raise RuntimeError(f"{len(failed)} sentence(s) could not be translated, first {r['direction']} line "
                            f"{r['index'] + 1}: {err}")
     result = EvalResult(test_set=test_set.name, model=model)
-    for direction in dict.fromkeys(r["direction"] for r in rows):
-        picked = [(h, r) for h, r in zip(hyps, rows) if r["direction"] == direction]
-        result.scores[direction] = score([h for h, _ in picked], [r["ref"] for _, r in picked], picked[0][1]["tgt_lang"])
-        if out_dir is not None:
-            out_dir.mkdir(parents=True, exist_ok=True)
-            (out_dir / f"{direction}.hyp").write_text("".join(h.replace("\n", " ") + "\n" for h, _ in picked),
-                                                     encoding="utf-8")
-    if out_dir is not None:
-        (out_dir / SCORES_FILE).write_text(json.dumps({"test_set": test_set.folder, "model": model,
-                                                       "scores": result.scores}, indent=1, ensure_ascii=False))
+    result.scores, translations = score_rows(rows, hyps)
+    if eval_root is not None:
+        out_dir = new_evaluation_dir(eval_root / test_set.name)
+        record = {"time": out_dir.name, "test_set": test_set.folder, "model": model, "step": step,
+                  "scores": result.scores}
+        record_evaluation(out_dir, record, translations)
         result.out_dir = str(out_dir)
     return result
 
 
+def score_rows(rows: list[dict], hyps: list[str]) -> tuple[dict[str, dict], dict[str, list[str]]]:
+    """Scores per direction of ``hyps`` (one per :func:`plan_rows` row), and each direction's hypotheses."""
+    scores, translations = {}, {}
+    for direction in dict.fromkeys(r["direction"] for r in rows):
+        picked = [(h, r) for h, r in zip(hyps, rows) if r["direction"] == direction]
+        translations[direction] = [h for h, _ in picked]
+        scores[direction] = score(translations[direction], [r["ref"] for _, r in picked], picked[0][1]["tgt_lang"])
+    return scores, translations
+
+
 def log_result(tracker, result: EvalResult, step: int) -> None:
-    """Scores as MLflow metrics at ``step`` (the run's last step), the translations as artifacts."""
+    """Scores as MLflow metrics at ``step`` (the run's last step); the evaluation's folder and the set's
+    history.jsonl as artifacts (``eval/<set>/<time>/``, ``eval/<set>/history.jsonl``)."""
     tracker.log_metrics(result.metrics(), step=step)
     if result.out_dir:
-        tracker.log_artifact(result.out_dir, f"eval/{result.test_set}")
+        out = Path(result.out_dir)
+        tracker.log_artifact(out, f"eval/{result.test_set}/{out.name}")
+        tracker.log_artifact(out.parent / HISTORY_FILE, f"eval/{result.test_set}")
 
 
 def _check_replica_resources(cfg, started_locally: bool) -> None:
@@ -323,7 +314,7 @@ def evaluate_run(cfg, model: str | None = None) -> EvalResult:
         tracker.set_tags({"evaluated_model": model})
     try:
         _check_replica_resources(cfg, started_locally)
-        result = evaluate_model(cfg, model, folder.local / "eval")
+        result = evaluate_model(cfg, model, folder.local / "eval", step=step)
         folder.push("eval")
         log_result(tracker, result, step)
         tracker.finish("FINISHED")

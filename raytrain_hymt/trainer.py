@@ -247,7 +247,7 @@ def run_training(cfg: Config, *, datasets=None, callbacks=(), parent_run_id: str
             try:
                 # The training workers are gone: the translating replicas get their GPUs. model_dir, not the
                 # driver's local copy: replicas may run on other nodes (a URI reaches them).
-                test = evaluate_model(cfg, model_dir, run_dir / "eval")
+                test = evaluate_model(cfg, model_dir, run_dir / "eval", step=steps)
             except Exception as e:  # noqa: BLE001 - the trained model is safe; scoring can be redone
                 log.warning("evaluation on %s failed (%s: %s); the run is kept, score it with: "
                             "hymt evaluate --name %s", cfg.eval.test_set, type(e).__name__, e, cfg.run.name)
