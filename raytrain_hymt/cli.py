@@ -112,6 +112,19 @@ def cmd_translate(args) -> int:
     return 1 if result.problems else 0
 
 
+def cmd_plot(args) -> int:
+    """A PNG of a run's losses, BLEU/chrF, learning rate and throughput (and of runs compared with it)."""
+    from pathlib import Path
+
+    from raytrain_hymt.plot import plot_runs
+
+    cfg = _load(args)
+    out = args.out or str(Path(cfg.run.storage_path, args.run, "plot.png"))
+    plot_runs(cfg.run.storage_path, [args.run, *args.compare], out)
+    print(f"plot: {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``hymt`` argument parser with every subcommand."""
     parser = argparse.ArgumentParser(prog="hymt", description="Fine-tune Hunyuan-MT with Ray Train + DeepSpeed")
@@ -149,6 +162,12 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--ray", action="store_true",
                     help="translate on evaluation's Ray Data actor pool (default when Ray runs or RAY_ADDRESS is set)")
     tr.set_defaults(func=cmd_translate)
+    plot = sub.add_parser("plot", help="PNG of a run's curves (loss, BLEU/chrF, lr, tokens/s) against step")
+    _config_args(plot)
+    plot.add_argument("run", help="run name under run.storage_root")
+    plot.add_argument("--compare", nargs="+", default=[], metavar="RUN", help="more runs drawn in the same panels")
+    plot.add_argument("--out", "-o", default=None, help="PNG file (default: <storage_root>/<run>/plot.png)")
+    plot.set_defaults(func=cmd_plot)
     tune = sub.add_parser("tune", help="learning-rate search with Ray Tune")
     _config_args(tune)
     tune.set_defaults(func=cmd_tune)
