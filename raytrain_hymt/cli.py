@@ -160,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--sample", action="store_true",
                     help="the model card's sampling settings (top_k 20, top_p 0.6, temperature 0.7) instead of greedy")
     tr.add_argument("--ray", action="store_true",
-                    help="translate on evaluation's Ray Data actor pool (default when Ray runs or RAY_ADDRESS is set)")
+                    help="translate on evaluation's Ray Data actor pool (default when RAY_ADDRESS is set)")
     tr.set_defaults(func=cmd_translate)
     plot = sub.add_parser("plot", help="PNG of a run's curves (loss, BLEU/chrF, lr, tokens/s) against step")
     _config_args(plot)

@@ -3,8 +3,8 @@
 The model is an exported folder, a checkpoint (exported to a temporary folder first), the name of a run
 under ``run.storage_root`` (its exported ``model/``), a hub id, or ``tiny``. Sentences are translated
 with :mod:`~raytrain_hymt.generation`, the function evaluation uses: in this process for a local job, or
-on evaluation's Ray Data actor pool (``eval.workers`` replicas) when Ray is already running, ``RAY_ADDRESS``
-names a cluster, or ``--ray`` asks for it. A sentence that fails or comes back empty is reported with its
+on evaluation's Ray Data actor pool (``eval.workers`` replicas) when ``RAY_ADDRESS`` names a cluster
+(``ray job submit`` sets it) or ``--ray`` asks for it. A sentence that fails or comes back empty is reported with its
 line number; every other sentence is still translated and written in its place.
 """
 
@@ -98,9 +98,9 @@ def read_input(sentences: list[str], input_path: str | None, stdin) -> list[str]
 
 
 def _use_ray(force: bool) -> bool:
-    import ray
-
-    return force or ray.is_initialized() or bool(os.environ.get("RAY_ADDRESS"))
+    # A command line process never finds Ray already initialized: RAY_ADDRESS (ray job submit, a cluster
+    # shell) is how it learns that a cluster is there.
+    return force or bool(os.environ.get("RAY_ADDRESS"))
 
 
 def translate_lines(cfg, model: str, lines: list[str], src: str, tgt: str, sample: bool = False,
