@@ -33,6 +33,8 @@ class LoopInputs:
     tracking_run_id: str | None
     tracking_uri: str | None
     run_dir: str
+    progress_board: str | None = None
+    """Name of the driver's progress actor (``progress.py``): rank 0 publishes every step there."""
 
 
 def rank_slice(global_batch: dict[str, np.ndarray], micro: int, rank: int, world: int, micro_batch: int) -> dict:
@@ -339,6 +341,7 @@ def train_loop(loop_config: dict) -> None:
 
     from raytrain_hymt import faults
     from raytrain_hymt.checkpoint import RunState, checkpoint_dir_name, save_rank_checkpoint, step_tag
+    from raytrain_hymt.progress import Publisher
     from raytrain_hymt.quiet import quiet_ray
     from raytrain_hymt.tracking import make_tracker
 
@@ -360,6 +363,7 @@ def train_loop(loop_config: dict) -> None:
         run_id=inputs.tracking_run_id, local_dir=inputs.run_dir, tensorboard=cfg.tracking.tensorboard,
         retry_interval_s=cfg.tracking.retry_interval_s,
     )
+    progress = Publisher(inputs.progress_board if w.rank == 0 else None)
     try:
         tracker.log_dict(w.ds_config, "deepspeed_config.json")  # the resolved one, "auto" values filled in
         train = ray.train.get_dataset_shard("train")
@@ -396,6 +400,9 @@ def train_loop(loop_config: dict) -> None:
                         metrics["val/loss"] = val_loss
                 if step % cfg.tracking.log_every_steps == 0 or "val/loss" in metrics:
                     tracker.log_metrics(metrics, step=step)
+                progress.step(step=step, total=w.total_steps, loss=metrics["train/loss"], lr=metrics["train/lr"],
+                              tokens_per_s=metrics["train/tokens_per_s_per_worker"], console_every=console_every,
+                              val_loss=val_loss if "val/loss" in metrics else None)
                 # The console gets about ten progress lines a run (MLflow gets every logged step).
                 if w.rank == 0 and (step == 1 or step % console_every == 0 or "val/loss" in metrics or last):
                     extra = f" val {val_loss:.4f}" if "val/loss" in metrics else ""
@@ -428,3 +435,4 @@ def train_loop(loop_config: dict) -> None:
     finally:
         # Flush rank 0's queued metrics and close its files on every path, failures included.
         tracker.close()
+        progress.close()

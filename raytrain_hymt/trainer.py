@@ -78,18 +78,18 @@ def init_ray(cfg: Config) -> bool:
     """
     import ray
 
-    from raytrain_hymt.quiet import quiet_ray
+    from raytrain_hymt.quiet import quiet_ray, ray_init_kwargs
 
-    quiet_ray()
+    quiet_ray(driver=True)
     if ray.is_initialized():
         return False
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(log_to_driver=True)
+        ray.init(**ray_init_kwargs())
         return False
     # 2 training workers plus the tokenizer actors need more logical CPUs than a 2-core machine has
     # (FACTS.md: on 2 logical CPUs the actors never start). Logical CPUs are only a scheduling count.
     want = cfg.scaling.local_num_cpus or max(4, os.cpu_count() or 1, int(cfg.scaling.num_workers * cfg.scaling.cpus_per_worker) + cfg.data.tokenize_actors)
-    ray.init(address="local", num_cpus=want, include_dashboard=False, log_to_driver=True)
+    ray.init(address="local", num_cpus=want, include_dashboard=False, **ray_init_kwargs())
     return True
 
 
@@ -200,6 +200,8 @@ def run_training(cfg: Config, *, datasets=None, callbacks=(), parent_run_id: str
     from raytrain_hymt.data.pipeline import build_datasets
     from raytrain_hymt.errors import budget_spent
     from raytrain_hymt.evaluate import evaluate_model, log_result
+    from raytrain_hymt.progress import Watcher
+    from raytrain_hymt.quiet import no_bars, verbose
     from raytrain_hymt.resources import check_cluster_resources
 
     from raytrain_hymt.storage import RunFolder
@@ -226,15 +228,21 @@ def run_training(cfg: Config, *, datasets=None, callbacks=(), parent_run_id: str
             "config": cfg.model_dump(mode="json"), "train_rows": stats.train_rows,
             "tracking_run_id": tracker.run_id, "tracking_uri": uri, "run_dir": str(run_dir),
         }
+        watcher = None if verbose() else Watcher()  # verbose: rank 0's own lines are forwarded instead
+        loop_inputs["progress_board"] = watcher.name if watcher else None
         try:
             result = _trainer(cfg, train, val, loop_inputs, callbacks).fit()
         except TrainingFailedError as e:
             raise budget_spent(e, cfg.checkpoint.max_failures) from e
+        finally:
+            if watcher:
+                watcher.close()
         model_dir = None
         with result.checkpoint.as_directory() as ckpt_dir:
             if cfg.run.export:
                 dtype = torch.float32 if cfg.deepspeed.precision == "fp32" else torch.bfloat16
-                export_hf(ckpt_dir, run_dir / "model", dtype=dtype)
+                with no_bars():
+                    export_hf(ckpt_dir, run_dir / "model", dtype=dtype)
                 model_dir = folder.push("model")
                 if tracker.run_id:
                     tracker.set_tags({"model_dir": model_dir})
