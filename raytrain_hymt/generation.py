@@ -51,9 +51,12 @@ class Generator:
         from raytrain_hymt.data.tokenize import render_prompts
 
         prompts = [build_prompt(str(s), str(a), str(b)) for s, a, b in zip(sources, src_langs, tgt_langs)]
-        self.tokenizer.padding_side = "left"
-        enc = self.tokenizer(render_prompts(self.tokenizer, prompts), add_special_tokens=False, padding=True,
-                             return_tensors="pt").to(self.device)
+        side, self.tokenizer.padding_side = self.tokenizer.padding_side, "left"
+        try:  # restored: training saves its tokenizer with every checkpoint
+            enc = self.tokenizer(render_prompts(self.tokenizer, prompts), add_special_tokens=False, padding=True,
+                                 return_tensors="pt").to(self.device)
+        finally:
+            self.tokenizer.padding_side = side
         if self.sample:
             torch.manual_seed(self.seed)  # the same input gives the same sample
         was_training = self.model.training

@@ -123,7 +123,8 @@ class Watcher:
     def _draw(self, u: dict) -> None:
         if not self.tty:
             every = u.get("console_every", 1)
-            if u["step"] == 1 or u["step"] % every == 0 or u["step"] >= u["total"] or u.get("val_loss") is not None:
+            if (u["step"] == 1 or u["step"] % every == 0 or u["step"] >= u["total"] or u.get("val_loss") is not None
+                    or u.get("scores")):
                 self._write(line(u))
             return
         if self.bar is None:

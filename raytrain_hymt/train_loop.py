@@ -342,6 +342,7 @@ def train_loop(loop_config: dict) -> None:
     from raytrain_hymt import faults
     from raytrain_hymt.checkpoint import RunState, checkpoint_dir_name, save_rank_checkpoint, step_tag
     from raytrain_hymt.progress import Publisher
+    from raytrain_hymt.train_bleu import TrainingSample
     from raytrain_hymt.quiet import quiet_ray
     from raytrain_hymt.tracking import make_tracker
 
@@ -364,6 +365,7 @@ def train_loop(loop_config: dict) -> None:
         retry_interval_s=cfg.tracking.retry_interval_s,
     )
     progress = Publisher(inputs.progress_board if w.rank == 0 else None)
+    sample = TrainingSample(cfg, w.tokenizer, w.rank, inputs.run_dir) if cfg.eval.bleu_every_steps else None
     try:
         tracker.log_dict(w.ds_config, "deepspeed_config.json")  # the resolved one, "auto" values filled in
         train = ray.train.get_dataset_shard("train")
@@ -398,11 +400,14 @@ def train_loop(loop_config: dict) -> None:
                     val_loss = w.validate()
                     if val_loss is not None:
                         metrics["val/loss"] = val_loss
-                if step % cfg.tracking.log_every_steps == 0 or "val/loss" in metrics:
+                if sample is not None and sample.due(step):  # every rank: generation may be collective
+                    metrics.update(sample.run(w.engine.module, step, tracker))
+                if step % cfg.tracking.log_every_steps == 0 or any(k.startswith("val/") for k in metrics):
                     tracker.log_metrics(metrics, step=step)
                 progress.step(step=step, total=w.total_steps, loss=metrics["train/loss"], lr=metrics["train/lr"],
                               tokens_per_s=metrics["train/tokens_per_s_per_worker"], console_every=console_every,
-                              val_loss=val_loss if "val/loss" in metrics else None)
+                              val_loss=val_loss if "val/loss" in metrics else None,
+                              scores={f"BLEU {k.split('/')[2]}": v for k, v in metrics.items() if k.endswith("/bleu")})
                 # The console gets about ten progress lines a run (MLflow gets every logged step).
                 if w.rank == 0 and (step == 1 or step % console_every == 0 or "val/loss" in metrics or last):
                     extra = f" val {val_loss:.4f}" if "val/loss" in metrics else ""
