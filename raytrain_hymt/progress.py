@@ -41,29 +41,32 @@ class ProgressBoard:
 
 
 class _Forward(logging.Handler):
-    """Rank 0's project warnings, sent to the board (the driver prints them above the bar)."""
+    """A worker's project warnings, sent to the board (the driver prints them above the bar)."""
 
-    def __init__(self, board):
+    def __init__(self, board, prefix: str):
         super().__init__(logging.WARNING)
-        self.board = board
+        self.board, self.prefix = board, prefix
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.board.say.remote(self.format(record))
+        self.board.say.remote(self.prefix + self.format(record))
 
 
 class Publisher:
-    """Rank 0's side: fire-and-forget updates to the board named ``name`` (None: publish nothing)."""
+    """A worker's side: fire-and-forget updates to the board named ``name`` (None: publish nothing).
+    Every rank forwards its warnings (``rank N:`` before those of ranks other than 0); rank 0 alone
+    publishes steps."""
 
-    def __init__(self, name: str | None):
+    def __init__(self, name: str | None, rank: int = 0):
         self.board = self.handler = None
+        self.rank = rank
         if name:
             self.board = wait_for_board(name)
-            self.handler = _Forward(self.board)
+            self.handler = _Forward(self.board, f"rank {rank}: " if rank else "")
             log.addHandler(self.handler)
 
     def step(self, **update) -> None:
         """Publish one step: ``step``, ``total``, ``loss``, ``tokens_per_s``, ``console_every``, ``val_loss``..."""
-        if self.board is not None:
+        if self.board is not None and self.rank == 0:
             self.board.publish.remote(update)
 
     def close(self) -> None:

@@ -350,6 +350,7 @@ def train_loop(loop_config: dict) -> None:
     quiet_ray()
     inputs = LoopInputs(**loop_config)
     w = Worker(inputs)
+    progress = Publisher(inputs.progress_board, w.rank)  # before restore(): its warnings reach the console
     w.build()
     cfg = w.cfg
     state = w.restore()
@@ -364,7 +365,6 @@ def train_loop(loop_config: dict) -> None:
         run_id=inputs.tracking_run_id, local_dir=inputs.run_dir, tensorboard=cfg.tracking.tensorboard,
         retry_interval_s=cfg.tracking.retry_interval_s,
     )
-    progress = Publisher(inputs.progress_board if w.rank == 0 else None)
     sample = TrainingSample(cfg, w.tokenizer, w.rank, inputs.run_dir) if cfg.eval.bleu_every_steps else None
     try:
         tracker.log_dict(w.ds_config, "deepspeed_config.json")  # the resolved one, "auto" values filled in

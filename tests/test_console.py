@@ -53,11 +53,14 @@ def test_the_driver_shows_what_rank_0_publishes(ray_session):
             watcher.poll()
         import logging
 
-        logging.getLogger("raytrain_hymt").warning("step 4: update skipped")
+        rank1 = Publisher(watcher.name, rank=1)
+        logging.getLogger("raytrain_hymt").warning("step 4: update skipped")  # both "ranks" of this process
+        rank1.step(step=99, total=6, loss=0.0, lr=0.0, tokens_per_s=0.0)  # only rank 0 publishes steps
+        rank1.close()
         rank0.close()
         watcher.close()
         text = stream.getvalue()
-        assert "step 4: update skipped" in text
+        assert "step 4: update skipped" in text and "rank 1: step 4: update skipped" in text and "99" not in text
         if isinstance(stream, _Terminal):  # one bar redrawn in place: step/total, loss, tokens/s, ETA
             assert "6/6" in text and "loss 7.4000 1006 tok/s/worker" in text and "<00:00" in text
             assert "\n" not in text.split("step 4: update skipped")[0]
