@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "jobs" / "configs"
 DEFAULT_PRESET = "tiny-cpu"
@@ -291,6 +291,13 @@ class EvalConfig(_Section):
     bleu_sentences: int = Field(32, ge=1)
     """Lines per direction of the sample ``bleu_every_steps`` translates (the same rows as ``hymt
     evaluate --set eval.max_sentences=<this>``)."""
+
+    @field_validator("test_set")
+    @classmethod
+    def _absolute(cls, value: str | None) -> str | None:
+        # Workers run elsewhere (BLEU during training reads it on rank 0): a path relative to the
+        # driver's working directory would not be found there.
+        return str(Path(value).expanduser().resolve()) if value else value
 
     @model_validator(mode="after")
     def _check(self) -> EvalConfig:

@@ -30,6 +30,7 @@ from raytrain_hymt.scoring import (HISTORY_FILE, METRICS, bleu_tokenizer, new_ev
 
 log = logging.getLogger("raytrain_hymt")
 
+
 def parse_direction(text: str) -> tuple[str, str]:
     """``"en-zh"`` → ``("en", "zh")``; codes with a dash of their own work too (``"zh-Hant-en"``).
 

@@ -41,6 +41,7 @@ def resolve_model(model: str, storage_root: str, scratch: str) -> str:
     Raises ConfigError when ``model`` looks like a path (or names a run) that holds no model.
     """
     from raytrain_hymt.checkpoint import export_checkpoint
+    from raytrain_hymt.quiet import no_bars
     from raytrain_hymt.storage import RunFolder, is_uri
     from raytrain_hymt.trainer import SUMMARY_FILE
 
@@ -52,7 +53,8 @@ def resolve_model(model: str, storage_root: str, scratch: str) -> str:
             return str(path.resolve())
         if _checkpoint_state(path):
             log.info("exporting checkpoint %s to a temporary folder first", path)
-            return str(export_checkpoint(path, Path(scratch) / "model"))
+            with no_bars():  # DeepSpeed's shard-loading bar would land between the translations
+                return str(export_checkpoint(path, Path(scratch) / "model"))
         raise ConfigError(f"model {model}: the folder holds neither an exported model (config.json) "
                           "nor a checkpoint (state.json)")
     import json
