@@ -131,6 +131,37 @@ def _rerun_command(argv: list[str], exc: KeyboardInterrupt) -> str:
     return "hymt " + shlex.join(argv)
 
 
+def cmd_translate(args) -> int:
+    """Translate sentences (arguments, a file or stdin) and write them in the same order."""
+    from raytrain_hymt.translate import read_input, translate_lines
+
+    cfg = _load(args)
+    lines = read_input(args.sentences, args.input, sys.stdin)
+    result = translate_lines(cfg, args.model, lines, args.src, args.tgt, sample=args.sample, use_ray=args.ray)
+    text = "".join(t.replace("\n", " ") + "\n" for t in result.translations)
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.write(text)
+    else:
+        sys.stdout.write(text)
+    for line, problem in result.problems.items():
+        print(f"line {line}: {problem}", file=sys.stderr)
+    return 1 if result.problems else 0
+
+
+def cmd_plot(args) -> int:
+    """A PNG of a run's losses, BLEU/chrF, learning rate and throughput (and of runs compared with it)."""
+    from pathlib import Path
+
+    from raytrain_hymt.plot import plot_runs
+
+    cfg = _load(args)
+    out = args.out or str(Path(cfg.run.storage_path, args.run, "plot.png"))
+    plot_runs(cfg.run.storage_path, [args.run, *args.compare], out)
+    print(f"plot: {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``hymt`` argument parser with every subcommand."""
     parser = argparse.ArgumentParser(prog="hymt", description="Fine-tune Hunyuan-MT with Ray Train + DeepSpeed")
@@ -160,6 +191,26 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--directions", nargs="+", default=None, metavar="SRC-TGT",
                           help="directions to score (sets eval.directions), e.g. en-zh zh-en")
     evaluate.set_defaults(func=cmd_evaluate)
+    tr = sub.add_parser("translate", help="translate sentences with a model, checkpoint or run")
+    _config_args(tr)
+    tr.add_argument("sentences", nargs="*", help="sentences to translate (default: --input, else stdin)")
+    tr.add_argument("--model", "-m", required=True,
+                    help="exported model folder, checkpoint_step* folder, run name, hub id, or tiny")
+    tr.add_argument("--from", dest="src", required=True, help="source language (any code the table maps: en, zho_Hans...)")
+    tr.add_argument("--to", dest="tgt", required=True, help="target language")
+    tr.add_argument("--input", "-i", default=None, help="file with one sentence per line (- for stdin)")
+    tr.add_argument("--output", "-o", default=None, help="write the translations here (default: stdout)")
+    tr.add_argument("--sample", action="store_true",
+                    help="the model card's sampling settings (top_k 20, top_p 0.6, temperature 0.7) instead of greedy")
+    tr.add_argument("--ray", action="store_true",
+                    help="translate on evaluation's Ray Data actor pool (default when RAY_ADDRESS is set)")
+    tr.set_defaults(func=cmd_translate)
+    plot = sub.add_parser("plot", help="PNG of a run's curves (loss, BLEU/chrF, lr, tokens/s) against step")
+    _config_args(plot)
+    plot.add_argument("run", help="run name under run.storage_root")
+    plot.add_argument("--compare", nargs="+", default=[], metavar="RUN", help="more runs drawn in the same panels")
+    plot.add_argument("--out", "-o", default=None, help="PNG file (default: <storage_root>/<run>/plot.png)")
+    plot.set_defaults(func=cmd_plot)
     tune = sub.add_parser("tune", help="learning-rate search with Ray Tune")
     _config_args(tune)
     tune.set_defaults(func=cmd_tune)

@@ -327,10 +327,27 @@ class EvalConfig(_Section):
     workers: int | None = Field(None, ge=1)
     """Model replicas translating in parallel (one GPU each with ``scaling.use_gpu``; never more than
     there are batches); None: ``scaling.num_workers``."""
+    bleu_every_steps: int | None = Field(None, ge=1)
+    """BLEU/chrF during training: every this many steps the model being trained translates the first
+    ``bleu_sentences`` lines of each direction of ``test_set`` (needs ``test_set``), logged as
+    ``val/<set>/<src>-<tgt>/bleu`` (and chrf, chrfpp, ter) with the translations as artifacts. None: off."""
+    bleu_sentences: int = Field(32, ge=1)
+    """Lines per direction of the sample ``bleu_every_steps`` translates (the same rows as ``hymt
+    evaluate --set eval.max_sentences=<this>``)."""
+
+    @field_validator("test_set")
+    @classmethod
+    def _absolute(cls, value: str | None) -> str | None:
+        # Workers run elsewhere (BLEU during training reads it on rank 0): a path relative to the
+        # driver's working directory would not be found there.
+        return str(Path(value).expanduser().resolve()) if value else value
 
     @model_validator(mode="after")
     def _check(self) -> EvalConfig:
         from raytrain_hymt.evaluate import parse_direction
+
+        if self.bleu_every_steps is not None and not self.test_set:
+            raise ValueError("eval.bleu_every_steps translates a sample of eval.test_set: set eval.test_set too")
 
         seen: dict[tuple[str, str], str] = {}
         for direction in self.directions:

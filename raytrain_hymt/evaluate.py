@@ -3,8 +3,8 @@
 The test set is a folder of line-aligned files, one per language, named by any label
 :func:`~raytrain_hymt.languages.resolve` accepts (``eng_Latn.devtest``, ``zho_Hans.devtest``, ``de.txt``).
 Each direction ``src-tgt`` translates the ``src`` file's lines with the model card's prompt and greedy
-decoding, and scores them against the ``tgt`` file's lines with sacrebleu: BLEU (tokenized for the target
-language: ``zh`` for Chinese, characters for Japanese/Thai/Khmer/Burmese, ``13a`` otherwise) and chrF.
+decoding, and scores them against the ``tgt`` file's lines with sacrebleu (BLEU, chrF, chrF++ and TER:
+:mod:`~raytrain_hymt.scoring`, which also keeps the history of evaluations).
 
 Translation is batch inference on Ray Data: an actor pool of model replicas (one GPU each on GPU
 clusters), sentences sorted by length so each batch pads little. The planning and scoring functions are
@@ -24,13 +24,11 @@ import numpy as np
 
 from raytrain_hymt.config import ConfigError, EvalConfig
 from raytrain_hymt.languages import is_supported, resolve
+# bleu_tokenizer: re-exported, callers of this module's scoring before scoring.py existed use it.
+from raytrain_hymt.scoring import (HISTORY_FILE, METRICS, bleu_tokenizer, new_evaluation_dir,  # noqa: F401
+                                   record_evaluation, score)
 
 log = logging.getLogger("raytrain_hymt")
-
-SCORES_FILE = "scores.json"
-
-# Target languages written without spaces between words: 13a would score whole sentences as one token.
-_BLEU_TOKENIZE = {"zh": "zh", "zh-Hant": "zh", "yue": "zh", "ja": "char", "th": "char", "km": "char", "my": "char"}
 
 
 def parse_direction(text: str) -> tuple[str, str]:
@@ -45,11 +43,6 @@ def parse_direction(text: str) -> tuple[str, str]:
         why = "is ambiguous" if valid else "does not name two Hunyuan-MT languages"
         raise ConfigError(f"eval.directions: {text!r} {why}; write <source>-<target>, e.g. en-zh or zh-Hant-en")
     return valid[0]
-
-
-def bleu_tokenizer(target_code: str) -> str:
-    """sacrebleu's ``tokenize`` for BLEU on ``target_code`` text (chrF needs none)."""
-    return _BLEU_TOKENIZE.get(target_code, "13a")
 
 
 @dataclass
@@ -126,89 +119,22 @@ def plan_rows(test_set: TestSet, directions: list[str], max_sentences: int | Non
     return rows
 
 
-def score(hypotheses: list[str], references: list[str], target_code: str) -> dict:
-    """Corpus BLEU and chrF of one direction, with sacrebleu's signatures (what was measured, exactly)."""
-    import sacrebleu
-
-    bleu = sacrebleu.metrics.BLEU(tokenize=bleu_tokenizer(target_code))
-    chrf = sacrebleu.metrics.CHRF()
-    b = bleu.corpus_score(hypotheses, [references])
-    c = chrf.corpus_score(hypotheses, [references])
-    return {"bleu": b.score, "chrf": c.score, "sentences": len(hypotheses),
-            "bleu_signature": str(bleu.get_signature()), "chrf_signature": str(chrf.get_signature())}
-
-
-#: Prefix of the local copies replicas make of a model given as a URI (``<tempdir>/<prefix><token>-*``).
-COPY_PREFIX = "hymt-eval-model-"
-
-
-def local_model_path(model: str, token: str = "") -> str:
-    """``model`` itself, or for a URI (``s3://``, ``gs://``, ``file://``) a local copy of that folder: a
-    replica may run on any node, and only a shared path, a hub id or a URI reaches every node. ``token``
-    names the evaluation the copy belongs to (its driver removes what its replicas leave on its node)."""
-    from raytrain_hymt.storage import is_uri
-
-    if not is_uri(model):
-        return model
-    import tempfile
-
-    import pyarrow.fs
-
-    fs, path = pyarrow.fs.FileSystem.from_uri(model)
-    local = tempfile.mkdtemp(prefix=f"{COPY_PREFIX}{token}-")
-    pyarrow.fs.copy_files(path, local, source_filesystem=fs, destination_filesystem=pyarrow.fs.LocalFileSystem())
-    return local
-
-
 class Translator:
-    """Ray Data actor: one model replica translating batches of rows with greedy decoding."""
+    """Ray Data actor: one model replica translating batches of rows (:mod:`~raytrain_hymt.generation`)."""
 
     def __init__(self, model: str, precision: str, max_new_tokens: int, use_gpu: bool,
-                 trust_remote_code: bool = False, copy_token: str = ""):
-        import torch
-        import transformers
-        from transformers import GenerationConfig
+                 trust_remote_code: bool = False, copy_token: str = "", sample: bool = False):
+        from raytrain_hymt.generation import load_generator
 
-        from raytrain_hymt.data.tokenize import answer_suffix
-        from raytrain_hymt.model import load_model, load_tokenizer
-
-        transformers.utils.logging.disable_progress_bar()  # one bar per replica would clutter the job's log
-        self.device = torch.device("cuda", 0) if use_gpu else torch.device("cpu")
-        local = local_model_path(model, copy_token)
-        self.tokenizer = load_tokenizer(local, trust_remote_code)
-        self.tokenizer.padding_side = "left"  # generation continues every row from its last prompt token
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
-        self.model = load_model(local, self.tokenizer, dtype=dtype, trust_remote_code=trust_remote_code,
-                                device=self.device).to(self.device).eval()
-        if local != model:
-            # Loaded (a memory-mapped file stays readable after its unlink): free the disk (16 GB at 7B).
-            shutil.rmtree(local, ignore_errors=True)
-        # The chat template's end-of-answer token (Hunyuan: <|eos|>) ends each translation.
-        stop = self.tokenizer.convert_tokens_to_ids(answer_suffix(self.tokenizer).strip())
-        stop_ids = sorted({stop, self.tokenizer.eos_token_id} - {None, self.tokenizer.unk_token_id})
-        # Greedy, whatever sampling defaults the model folder's generation_config.json carries (Hunyuan-MT's
-        # top_k/top_p/temperature): scores must not depend on a seed. Replacing the model's own config
-        # (rather than passing one per call) also keeps transformers from warning about the unused flags.
-        self.model.generation_config = GenerationConfig(
-            do_sample=False, num_beams=1, max_new_tokens=max_new_tokens, eos_token_id=stop_ids,
-            pad_token_id=self.tokenizer.pad_token_id)
+        self.generator = load_generator(model, precision, max_new_tokens, use_gpu, trust_remote_code,
+                                        sample=sample, copy_token=copy_token)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        import torch
+        from raytrain_hymt.generation import translate_or_report
 
-        from raytrain_hymt.data.prompts import build_prompt
-        from raytrain_hymt.data.tokenize import render_prompts
-
-        prompts = [build_prompt(str(s), str(a), str(b))
-                   for s, a, b in zip(batch["src"], batch["src_lang"], batch["tgt_lang"])]
-        enc = self.tokenizer(render_prompts(self.tokenizer, prompts), add_special_tokens=False, padding=True,
-                             return_tensors="pt").to(self.device)
-        with torch.no_grad():
-            out = self.model.generate(**enc)
-        new = out[:, enc["input_ids"].shape[1]:]
-        texts = self.tokenizer.batch_decode(new, skip_special_tokens=True)
+        texts, errors = translate_or_report(self.generator, batch["src"], batch["src_lang"], batch["tgt_lang"])
         result = dict(batch)
-        result["hyp"] = np.array([t.strip() for t in texts], dtype=object)
+        result["hyp"], result["error"] = np.array(texts, dtype=object), np.array(errors, dtype=object)
         return result
 
 
@@ -222,13 +148,14 @@ class EvalResult:
     out_dir: str | None = None
 
     def metrics(self) -> dict[str, float]:
-        """MLflow metric names: ``test/<set>/<src>-<tgt>/bleu`` and ``.../chrf``."""
-        return {f"test/{self.test_set}/{d}/{k}": s[k] for d, s in self.scores.items() for k in ("bleu", "chrf")}
+        """MLflow metric names: ``test/<set>/<src>-<tgt>/bleu`` (and ``chrf``, ``chrfpp``, ``ter``)."""
+        return {f"test/{self.test_set}/{d}/{k}": s[k] for d, s in self.scores.items() for k in METRICS}
 
     def lines(self) -> list[str]:
         """A small table for the console."""
-        out = [f"test set {self.test_set}: {self.model}", "  direction  sentences   BLEU   chrF"]
-        out += [f"  {d:<9}  {s['sentences']:>9}  {s['bleu']:5.2f}  {s['chrf']:5.2f}" for d, s in self.scores.items()]
+        out = [f"test set {self.test_set}: {self.model}", "  direction  sentences   BLEU   chrF  chrF++    TER"]
+        out += [f"  {d:<9}  {s['sentences']:>9}  {s['bleu']:5.2f}  {s['chrf']:5.2f}  {s['chrfpp']:6.2f}  {s['ter']:5.2f}"
+                for d, s in self.scores.items()]
         if self.out_dir:
             out.append(f"  translations: {self.out_dir}")
         return out
@@ -241,10 +168,12 @@ def _no_restarts() -> dict:
     return {"max_restarts": 0}
 
 
-def translate(rows: list[dict], cfg, model: str) -> list[str]:
-    """Hypotheses for ``rows`` (in their order), from a Ray Data actor pool of ``cfg.eval.workers`` replicas.
+def translate(rows: list[dict], cfg, model: str, sample: bool = False) -> tuple[list[str], list[str]]:
+    """Hypotheses for ``rows`` (in their order), from a Ray Data actor pool of ``cfg.eval.workers`` replicas,
+    and per row the error that stopped its translation ("" when none).
 
-    Needs a running Ray. On GPU clusters each replica holds one GPU; on CPU one logical CPU.
+    Needs a running Ray. On GPU clusters each replica holds one GPU; on CPU one logical CPU. ``sample``:
+    the model card's sampling settings instead of greedy decoding.
     """
     import glob
     import tempfile
@@ -252,13 +181,15 @@ def translate(rows: list[dict], cfg, model: str) -> list[str]:
 
     import ray.data
 
+    from raytrain_hymt.generation import COPY_PREFIX, batches_longest_first
+
     e = cfg.eval
     # No more replicas than batches: each loads the whole model, and one still loading when the work is
     # done would be killed for nothing.
     workers = min(e.workers or cfg.scaling.num_workers, -(-len(rows) // e.batch_size))
     token = uuid.uuid4().hex[:12]
-    # Longest first, so similar lengths share a batch (little padding) and the slowest batches start early.
-    ordered = sorted(rows, key=lambda r: -len(r["src"]))
+    # Consecutive rows form a replica's batch: the same batches as every other caller of generation.
+    ordered = [rows[i] for b in batches_longest_first([r["src"] for r in rows], e.batch_size) for i in b]
     ds = ray.data.from_items([{k: r[k] for k in ("id", "src", "src_lang", "tgt_lang")} for r in ordered])
     gpu = cfg.scaling.use_gpu
     with warnings.catch_warnings():
@@ -267,52 +198,68 @@ def translate(rows: list[dict], cfg, model: str) -> list[str]:
             Translator,
             fn_constructor_kwargs=dict(model=model, precision=cfg.deepspeed.precision,
                                        max_new_tokens=e.max_new_tokens, use_gpu=gpu,
-                                       trust_remote_code=cfg.model.trust_remote_code, copy_token=token),
+                                       trust_remote_code=cfg.model.trust_remote_code, copy_token=token,
+                                       sample=sample),
             batch_size=e.batch_size, batch_format="numpy", compute=ray.data.ActorPoolStrategy(size=workers),
             num_gpus=1 if gpu else 0, num_cpus=1,
             ray_remote_args_fn=_no_restarts,
             **({"runtime_env": {"env_vars": cfg.scaling.env}} if cfg.scaling.env else {}),
         )
     try:
-        by_id = {int(r["id"]): str(r["hyp"]) for r in out.iter_rows()}
+        by_id = {int(r["id"]): (str(r["hyp"]), str(r["error"])) for r in out.iter_rows()}
     finally:
         # A replica removes its copy once loaded; one that failed or was stopped while loading cannot.
         for leftover in glob.glob(f"{tempfile.gettempdir()}/{COPY_PREFIX}{token}-*"):
             shutil.rmtree(leftover, ignore_errors=True)
-    return [by_id[r["id"]] for r in rows]
+    return [by_id[r["id"]][0] for r in rows], [by_id[r["id"]][1] for r in rows]
 
 
-def evaluate_model(cfg, model: str, eval_root: Path | None = None) -> EvalResult:
+def evaluate_model(cfg, model: str, eval_root: Path | None = None, step: int | None = None) -> EvalResult:
     """Translate ``cfg.eval.test_set`` with ``model`` (folder, hub id or ``tiny``) and score every direction.
 
-    With ``eval_root``, writes ``<eval_root>/<test set>/<src>-<tgt>.hyp`` (one translation per line, in
-    the test set's order) and ``scores.json`` there.
+    With ``eval_root``, keeps the evaluation in the history of :mod:`~raytrain_hymt.scoring`: a new
+    ``<eval_root>/<test set>/<time>/`` with ``<src>-<tgt>.hyp`` (one translation per line, in the test
+    set's order) and ``scores.json``, and a line in ``<eval_root>/<test set>/history.jsonl``. ``step``: the
+    training step of the model, recorded with the scores.
     """
     e: EvalConfig = cfg.eval
     test_set = load_test_set(e.test_set)
-    out_dir = eval_root / test_set.name if eval_root is not None else None
     rows = plan_rows(test_set, e.directions, e.max_sentences)
-    hyps = translate(rows, cfg, model)
+    hyps, errors = translate(rows, cfg, model)
+    failed = [(r, err) for r, err in zip(rows, errors) if err]
+    if failed:
+        r, err = failed[0]
+        raise RuntimeError(f"{len(failed)} sentence(s) could not be translated, first {r['direction']} line "
+                           f"{r['index'] + 1}: {err}")
     result = EvalResult(test_set=test_set.name, model=model)
-    for direction in dict.fromkeys(r["direction"] for r in rows):
-        picked = [(h, r) for h, r in zip(hyps, rows) if r["direction"] == direction]
-        result.scores[direction] = score([h for h, _ in picked], [r["ref"] for _, r in picked], picked[0][1]["tgt_lang"])
-        if out_dir is not None:
-            out_dir.mkdir(parents=True, exist_ok=True)
-            (out_dir / f"{direction}.hyp").write_text("".join(h.replace("\n", " ") + "\n" for h, _ in picked),
-                                                     encoding="utf-8")
-    if out_dir is not None:
-        (out_dir / SCORES_FILE).write_text(json.dumps({"test_set": test_set.folder, "model": model,
-                                                       "scores": result.scores}, indent=1, ensure_ascii=False))
+    result.scores, translations = score_rows(rows, hyps)
+    if eval_root is not None:
+        out_dir = new_evaluation_dir(eval_root / test_set.name)
+        record = {"time": out_dir.name, "test_set": test_set.folder, "model": model, "step": step,
+                  "scores": result.scores}
+        record_evaluation(out_dir, record, translations)
         result.out_dir = str(out_dir)
     return result
 
 
+def score_rows(rows: list[dict], hyps: list[str]) -> tuple[dict[str, dict], dict[str, list[str]]]:
+    """Scores per direction of ``hyps`` (one per :func:`plan_rows` row), and each direction's hypotheses."""
+    scores, translations = {}, {}
+    for direction in dict.fromkeys(r["direction"] for r in rows):
+        picked = [(h, r) for h, r in zip(hyps, rows) if r["direction"] == direction]
+        translations[direction] = [h for h, _ in picked]
+        scores[direction] = score(translations[direction], [r["ref"] for _, r in picked], picked[0][1]["tgt_lang"])
+    return scores, translations
+
+
 def log_result(tracker, result: EvalResult, step: int) -> None:
-    """Scores as MLflow metrics at ``step`` (the run's last step), the translations as artifacts."""
+    """Scores as MLflow metrics at ``step`` (the run's last step); the evaluation's folder and the set's
+    history.jsonl as artifacts (``eval/<set>/<time>/``, ``eval/<set>/history.jsonl``)."""
     tracker.log_metrics(result.metrics(), step=step)
     if result.out_dir:
-        tracker.log_artifact(result.out_dir, f"eval/{result.test_set}")
+        out = Path(result.out_dir)
+        tracker.log_artifact(out, f"eval/{result.test_set}/{out.name}")
+        tracker.log_artifact(out.parent / HISTORY_FILE, f"eval/{result.test_set}")
 
 
 def _check_replica_resources(cfg, started_locally: bool) -> None:
@@ -369,7 +316,7 @@ def evaluate_run(cfg, model: str | None = None) -> EvalResult:
         tracker.set_tags({"evaluated_model": model})
     try:
         _check_replica_resources(cfg, started_locally)
-        result = evaluate_model(cfg, model, folder.local / "eval")
+        result = evaluate_model(cfg, model, folder.local / "eval", step=step)
         folder.push("eval")
         log_result(tracker, result, step)
         tracker.finish("FINISHED")

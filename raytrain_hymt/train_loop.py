@@ -41,6 +41,8 @@ class LoopInputs:
     tracking_uri: str | None
     run_dir: str
     data_fingerprint: dict | None = None
+    progress_board: str | None = None
+    """Name of the driver's progress actor (``progress.py``): rank 0 publishes every step there."""
 
 
 def rank_slice(global_batch: dict[str, np.ndarray], micro: int, rank: int, world: int, micro_batch: int) -> dict:
@@ -398,6 +400,8 @@ def train_loop(loop_config: dict) -> None:
     from raytrain_hymt import faults
     from raytrain_hymt.checkpoint import RunState, checkpoint_dir_name, save_rank_checkpoint, step_tag
     from raytrain_hymt.data.epochs import epoch_batches, window_rows
+    from raytrain_hymt.progress import Publisher
+    from raytrain_hymt.train_bleu import TrainingSample
     from raytrain_hymt.quiet import quiet_ray
     from raytrain_hymt.tracking import make_tracker
 
@@ -405,6 +409,7 @@ def train_loop(loop_config: dict) -> None:
     quiet_ray()
     inputs = LoopInputs(**loop_config)
     w = Worker(inputs)
+    progress = Publisher(inputs.progress_board, w.rank)  # before restore(): its warnings reach the console
     w.build()
     cfg = w.cfg
     state = w.restore()
@@ -419,6 +424,7 @@ def train_loop(loop_config: dict) -> None:
         run_id=inputs.tracking_run_id, local_dir=inputs.run_dir, tensorboard=cfg.tracking.tensorboard,
         retry_interval_s=cfg.tracking.retry_interval_s,
     )
+    sample = TrainingSample(cfg, w.tokenizer, w.rank, inputs.run_dir) if cfg.eval.bleu_every_steps else None
     try:
         tracker.log_dict(w.ds_config, "deepspeed_config.json")  # the resolved one, "auto" values filled in
         train = ray.train.get_dataset_shard("train")
@@ -455,8 +461,14 @@ def train_loop(loop_config: dict) -> None:
                     val_loss = w.validate()
                     if val_loss is not None:
                         metrics["val/loss"] = val_loss
-                if step % cfg.tracking.log_every_steps == 0 or "val/loss" in metrics:
+                if sample is not None and sample.due(step):  # every rank: generation may be collective
+                    metrics.update(sample.run(w.engine.module, step, tracker))
+                if step % cfg.tracking.log_every_steps == 0 or any(k.startswith("val/") for k in metrics):
                     tracker.log_metrics(metrics, step=step)
+                progress.step(step=step, total=w.total_steps, loss=metrics["train/loss"], lr=metrics["train/lr"],
+                              tokens_per_s=metrics["train/tokens_per_s_per_worker"], console_every=console_every,
+                              val_loss=val_loss if "val/loss" in metrics else None,
+                              scores={f"BLEU {k.split('/')[2]}": v for k, v in metrics.items() if k.endswith("/bleu")})
                 # The console gets about ten progress lines a run (MLflow gets every logged step).
                 if w.rank == 0 and (step == 1 or step % console_every == 0 or "val/loss" in metrics or last):
                     val = f" val {val_loss:.4f}" if "val/loss" in metrics else ""
@@ -497,5 +509,6 @@ def train_loop(loop_config: dict) -> None:
     finally:
         # Flush rank 0's queued metrics and close its files on every path, failures included.
         tracker.close()
+        progress.close()
         if w.rank == 0:
             w.publish_local_files()

@@ -78,18 +78,18 @@ def init_ray(cfg: Config) -> bool:
     """
     import ray
 
-    from raytrain_hymt.quiet import quiet_ray
+    from raytrain_hymt.quiet import quiet_ray, ray_init_kwargs
 
-    quiet_ray()
+    quiet_ray(driver=True)
     if ray.is_initialized():
         return False
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(log_to_driver=True)
+        ray.init(**ray_init_kwargs())
         return False
     # 2 training workers plus the tokenizer actors need more logical CPUs than a 2-core machine has
     # (FACTS.md: on 2 logical CPUs the actors never start). Logical CPUs are only a scheduling count.
     want = cfg.scaling.local_num_cpus or max(4, os.cpu_count() or 1, int(cfg.scaling.num_workers * cfg.scaling.cpus_per_worker) + cfg.data.tokenize_actors)
-    ray.init(address="local", num_cpus=want, include_dashboard=False, log_to_driver=True)
+    ray.init(address="local", num_cpus=want, include_dashboard=False, **ray_init_kwargs())
     return True
 
 
@@ -217,6 +217,8 @@ def run_training(cfg: Config, *, datasets=None, callbacks=(), parent_run_id: str
     from raytrain_hymt.evaluate import evaluate_model, log_result
     from raytrain_hymt.interrupt import Interrupted, fit, latest_checkpoint
     from raytrain_hymt.resume import keep_first_config
+    from raytrain_hymt.progress import Watcher
+    from raytrain_hymt.quiet import verbose
     from raytrain_hymt.resources import check_cluster_resources
     from raytrain_hymt.resume_data import check_resume_data
 
@@ -248,10 +250,15 @@ def run_training(cfg: Config, *, datasets=None, callbacks=(), parent_run_id: str
             "tracking_run_id": tracker.run_id, "tracking_uri": uri, "run_dir": str(run_dir),
             "data_fingerprint": fingerprint,
         }
+        watcher = None if verbose() else Watcher()  # verbose: rank 0's own lines are forwarded instead
+        loop_inputs["progress_board"] = watcher.name if watcher else None
         try:
             result = fit(_trainer(cfg, train, val, loop_inputs, callbacks), cfg.run.storage_path, cfg.run.name)
         except TrainingFailedError as e:
             raise budget_spent(e, cfg.checkpoint.max_failures) from e
+        finally:
+            if watcher:
+                watcher.close()
         model_dir = None
         if cfg.run.export:  # the workers wrote it (train_loop.Worker.export); the driver only says where
             model_dir = folder.location(MODEL_DIR)
@@ -269,7 +276,7 @@ def run_training(cfg: Config, *, datasets=None, callbacks=(), parent_run_id: str
             try:
                 # The training workers are gone: the translating replicas get their GPUs. model_dir, not the
                 # driver's local copy: replicas may run on other nodes (a URI reaches them).
-                test = evaluate_model(cfg, model_dir, run_dir / "eval")
+                test = evaluate_model(cfg, model_dir, run_dir / "eval", step=steps)
             except Exception as e:  # noqa: BLE001 - the trained model is safe; scoring can be redone
                 log.warning("evaluation on %s failed (%s: %s); the run is kept, score it with: "
                             "hymt evaluate --name %s", cfg.eval.test_set, type(e).__name__, e, cfg.run.name)

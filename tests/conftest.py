@@ -76,12 +76,15 @@ E2E_EVAL = {"eval.directions": "[en-zh, zh-en]", "eval.max_sentences": 4, "eval.
 
 @pytest.fixture(scope="session")
 def finished_run(ray_session, shared_data, tmp_path_factory):
-    """One finished 20-step tiny run named ``e2e`` (checkpoints, MLflow, export, BLEU/chrF on FLORES),
+    """One finished 20-step tiny run named ``e2e`` (checkpoints, MLflow, export, BLEU/chrF on FLORES at
+    steps 10 and 20 and at the end),
     shared by the end-to-end and evaluation tests: ``(storage root, TrainingSummary)``."""
     from raytrain_hymt.config import load_config
     from raytrain_hymt.trainer import run_training
 
     storage = tmp_path_factory.mktemp("runs")
-    extra = {"run.name": "e2e", "eval.test_set": shared_data / "flores200" / "devtest", **E2E_EVAL}
+    extra = {"run.name": "e2e", "eval.test_set": shared_data / "flores200" / "devtest", **E2E_EVAL,
+             # BLEU during training on the rows the end-of-run evaluation scores (tests/test_train_bleu.py).
+             "eval.bleu_every_steps": 10, "eval.bleu_sentences": E2E_EVAL["eval.max_sentences"]}
     summary = run_training(load_config(None, tiny_overrides(storage, **extra)))
     return storage, summary

@@ -13,6 +13,7 @@ import sacrebleu
 from raytrain_hymt.cli import main
 from raytrain_hymt.config import ConfigError, load_config
 from raytrain_hymt.evaluate import bleu_tokenizer, load_test_set, parse_direction, plan_rows, read_lines, score
+from raytrain_hymt.scoring import read_history
 from raytrain_hymt.trainer import preflight
 
 # ---- pure: directions, test sets, scores -------------------------------------------------------------
@@ -46,6 +47,33 @@ def test_scores_are_sacrebleus_with_the_target_tokenizer():
     assert zh["chrf"] == pytest.approx(32.6666667, abs=1e-6)
     assert zh["bleu_signature"] == "nrefs:1|case:mixed|eff:no|tok:zh|smooth:exp|version:2.6.0"
     assert score(["猫が好きです。"], ["犬が好きです。"], "ja")["bleu"] == pytest.approx(80.9106712, abs=1e-6)
+
+
+def test_chrfpp_and_ter_sit_beside_bleu_with_their_signatures():
+    en = score(["the cat sat on a mat"], ["the cat sat on the mat"], "en")
+    assert en["chrfpp"] == pytest.approx(sacrebleu.corpus_chrf(["the cat sat on a mat"], [["the cat sat on the mat"]],
+                                                               word_order=2).score)
+    assert en["ter"] == pytest.approx(100 / 6)  # one substitution in six reference words
+    assert en["chrfpp_signature"] == "nrefs:1|case:mixed|eff:yes|nc:6|nw:2|space:no|version:2.6.0"
+    assert en["ter_signature"] == "nrefs:1|case:lc|tok:tercom|norm:no|punct:yes|asian:no|version:2.6.0"
+    # Chinese and Japanese: TER with asian_support splits characters (one of five edited), not one word.
+    zh = score(["我喜欢猫。"], ["我喜欢狗。"], "zh")
+    assert zh["ter"] == pytest.approx(20.0) and "asian:yes" in zh["ter_signature"]
+    assert "asian:yes" in score(["猫"], ["犬"], "ja")["ter_signature"]
+    assert "asian:no" in score(["Kot"], ["Pies"], "de")["ter_signature"]
+
+
+def test_every_evaluation_is_kept_in_the_history(tmp_path):
+    from raytrain_hymt.scoring import new_evaluation_dir, record_evaluation
+
+    root = tmp_path / "devtest"
+    first, second = new_evaluation_dir(root), new_evaluation_dir(root)
+    assert first != second and second.name.startswith(first.name)  # the same second: a suffix
+    record_evaluation(first, {"step": 10, "scores": {"en-zh": {"bleu": 1.0}}}, {"en-zh": ["a\nb", "c"]})
+    record_evaluation(second, {"step": 20, "scores": {"en-zh": {"bleu": 2.0}}}, {"en-zh": ["d", "e"]})
+    assert [(h["dir"], h["step"]) for h in read_history(root)] == [(first.name, 10), (second.name, 20)]
+    assert (first / "en-zh.hyp").read_text() == "a b\nc\n"
+    assert json.loads((second / "scores.json").read_text()) == {"step": 20, "scores": {"en-zh": {"bleu": 2.0}}}
 
 
 def test_flores_folder_is_a_multiway_test_set(shared_data):
@@ -104,12 +132,17 @@ def _hyps(folder: Path, direction: str) -> list[str]:
     return (folder / f"{direction}.hyp").read_text(encoding="utf-8").splitlines()
 
 
+def _latest(set_root: Path) -> Path:
+    """The folder of the newest evaluation in ``set_root``'s history."""
+    return set_root / read_history(set_root)[-1]["dir"]
+
+
 @pytest.mark.integration
 def test_a_run_ends_with_bleu_and_chrf_in_its_summary_files_and_mlflow(finished_run, shared_data):
     import mlflow
 
     storage, summary = finished_run
-    eval_dir = Path(summary.run_dir) / "eval" / "devtest"
+    eval_dir = _latest(Path(summary.run_dir) / "eval" / "devtest")
     refs = {"zh": (shared_data / "flores200/devtest/zho_Hans.devtest").read_text(encoding="utf-8").splitlines()[:4],
             "en": (shared_data / "flores200/devtest/eng_Latn.devtest").read_text(encoding="utf-8").splitlines()[:4]}
     scores = summary.test_scores["scores"]
@@ -120,15 +153,21 @@ def test_a_run_ends_with_bleu_and_chrf_in_its_summary_files_and_mlflow(finished_
         # The recorded scores are exactly sacrebleu's on the written translations.
         assert scores[direction]["bleu"] == sacrebleu.corpus_bleu(hyps, [refs[target]], tokenize=bleu_tokenizer(target)).score
         assert scores[direction]["chrf"] == sacrebleu.corpus_chrf(hyps, [refs[target]]).score
-    assert json.loads((eval_dir / "scores.json").read_text())["scores"] == scores
+    recorded = json.loads((eval_dir / "scores.json").read_text())
+    assert recorded["scores"] == scores and recorded["step"] == 20 and recorded["time"] == eval_dir.name
     assert "  BLEU/chrF:    en-zh " in "\n".join(summary.lines())
     client = mlflow.MlflowClient(summary.tracking_uri)
     run = client.get_run(summary.mlflow_run_id)
     assert run.data.metrics["test/devtest/en-zh/bleu"] == pytest.approx(scores["en-zh"]["bleu"])
     assert run.data.metrics["test/devtest/zh-en/chrf"] == pytest.approx(scores["zh-en"]["chrf"])
     assert [m.step for m in client.get_metric_history(run.info.run_id, "test/devtest/en-zh/bleu")] == [20]
+    assert run.data.metrics["test/devtest/en-zh/chrfpp"] == pytest.approx(scores["en-zh"]["chrfpp"])
+    assert run.data.metrics["test/devtest/en-zh/ter"] == pytest.approx(scores["en-zh"]["ter"])
+    stamp = f"eval/devtest/{eval_dir.name}"
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "eval/devtest")}
-    assert artifacts == {"eval/devtest/en-zh.hyp", "eval/devtest/zh-en.hyp", "eval/devtest/scores.json"}
+    assert {stamp, "eval/devtest/history.jsonl"} <= artifacts
+    assert {a.path for a in client.list_artifacts(run.info.run_id, stamp)} == {
+        f"{stamp}/en-zh.hyp", f"{stamp}/zh-en.hyp", f"{stamp}/scores.json"}
 
 
 @pytest.mark.integration
@@ -140,14 +179,20 @@ def test_hymt_evaluate_scores_a_run_and_any_model_folder_alike(finished_run, sha
     storage, summary = finished_run
     common = ["--test-set", str(shared_data / "flores200" / "devtest"), "--set", f"run.storage_root={storage}"]
     common += [a for k, v in E2E_EVAL.items() for a in ("--set", f"{k}={v}")]
-    before = {d: _hyps(Path(summary.run_dir) / "eval" / "devtest", d) for d in ("en-zh", "zh-en")}
+    set_root = Path(summary.run_dir) / "eval" / "devtest"
+    before = {d: _hyps(_latest(set_root), d) for d in ("en-zh", "zh-en")}
+    evaluations = len(read_history(set_root))
 
     # The finished run again: greedy decoding gives the same translations, logged into the run's own
     # MLflow run at its last step.
     assert main(["evaluate", "--name", "e2e", *common]) == 0
     out = capsys.readouterr().out
     assert "test set devtest:" in out and "  en-zh              4" in out
-    assert {d: _hyps(Path(summary.run_dir) / "eval" / "devtest", d) for d in before} == before
+    # A new evaluation joins the history; the older ones stay.
+    history = read_history(set_root)
+    assert len(history) == evaluations + 1 and all((set_root / h["dir"] / "scores.json").exists() for h in history)
+    assert history[-1]["step"] == 20 and history[-1]["scores"] == history[0]["scores"]
+    assert {d: _hyps(_latest(set_root), d) for d in before} == before
     client = mlflow.MlflowClient(summary.tracking_uri)
     history = client.get_metric_history(summary.mlflow_run_id, "test/devtest/en-zh/bleu")
     assert [m.step for m in history] == [20, 20] and history[0].value == history[1].value
@@ -158,7 +203,7 @@ def test_hymt_evaluate_scores_a_run_and_any_model_folder_alike(finished_run, sha
     copies = set(Path(tempfile.gettempdir()).glob("hymt-eval-model-*"))
     assert main(["evaluate", "--model", uri, "--name", "baseline", *common]) == 0
     assert set(Path(tempfile.gettempdir()).glob("hymt-eval-model-*")) == copies
-    baseline = json.loads((storage / "baseline" / "eval" / "devtest" / "scores.json").read_text())
+    baseline = json.loads((_latest(storage / "baseline" / "eval" / "devtest") / "scores.json").read_text())
     assert baseline["scores"] == summary.test_scores["scores"]
     run_id = json.loads((storage / "baseline" / "run.json").read_text())["mlflow_run_id"]
     run = client.get_run(run_id)
@@ -168,6 +213,7 @@ def test_hymt_evaluate_scores_a_run_and_any_model_folder_alike(finished_run, sha
     assert main(["evaluate", "--model", uri, "--name", "baseline", *common]) == 0
     assert json.loads((storage / "baseline" / "run.json").read_text())["mlflow_run_id"] == run_id
     assert [m.step for m in client.get_metric_history(run_id, "test/devtest/zh-en/bleu")] == [0, 0]
+    assert len(read_history(storage / "baseline" / "eval" / "devtest")) == 2
     assert client.get_run(run_id).info.status == "FINISHED"
 
     # A direction the test set cannot serve: exit 2 with the reason, before any model is loaded.

@@ -18,3 +18,7 @@ def test_quickstart_notebook_executes():
     assert "answer tokens: 下雨了。<|eos|>" in outputs
     assert "run notebook: 8 steps" in outputs
     assert outputs.count("train/loss by step:") == 1
+    assert "plotted: ['notebook train/loss', 'notebook train/lr', 'notebook train/tokens_per_s_per_worker', " \
+           "'notebook val/loss']" in outputs
+    images = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
+    assert len(images) == 1  # the plot, shown in the notebook

@@ -1,0 +1,83 @@
+"""A quiet console: the default job's output holds the project's lines and progress, none of Ray's or
+DeepSpeed's internals; the driver's progress display fed by rank 0 (a real named actor on the session Ray)."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+NOISE = re.compile(r"TrainingReport\(|real_accelerator\.py|\w+Warning:|Traceback")
+
+
+@pytest.mark.integration
+def test_the_default_job_prints_no_internal_lines(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("HYMT_VERBOSE", "DS_ACCELERATOR", "RAY_ADDRESS")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    # The default job (tiny-cpu) shortened: its own local Ray, as `make train` starts it; stdin/out no TTY.
+    cmd = [sys.executable, "-m", "raytrain_hymt.cli", "train", "--name", "quiet", "--set", f"run.storage_root={tmp_path}",
+           "--set", "optim.max_steps=4", "--set", "checkpoint.every_steps=2", "--set", "eval.every_steps=2"]
+    out = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    console = out.stdout + out.stderr
+    assert out.returncode == 0, console
+    assert [line for line in console.splitlines() if NOISE.search(line)] == []
+    assert "Loading checkpoint shards" not in console and "Reporting training result" not in console
+    # Without a terminal the driver prints rank 0's progress as lines (all four steps: 4 // 10 rounds to 1).
+    steps = [line for line in console.splitlines() if line.startswith("step ")]
+    assert [s.split()[1] for s in steps] == ["1/4", "2/4", "3/4", "4/4"]
+    assert re.fullmatch(r"step 2/4 loss \d\.\d{4} val \d\.\d{4} lr 8\.00e-04 \d+ tok/s/worker", steps[1])
+    assert "run quiet: 4 steps in" in console
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_the_driver_shows_what_rank_0_publishes(ray_session):
+    from raytrain_hymt.progress import Publisher, Watcher
+
+    for stream in (io.StringIO(), _Terminal()):
+        watcher = Watcher(stream=stream, poll_s=3600)  # polled by hand below
+        rank0 = Publisher(watcher.name)
+        for step in range(1, 7):
+            rank0.step(step=step, total=6, loss=8.0 - step / 10, lr=1e-3, tokens_per_s=1000.0 + step,
+                       console_every=3, val_loss=7.5 if step == 3 else None)
+            ray_session.get(watcher.actor.read.remote(0))  # the update has landed
+            watcher.poll()
+        import logging
+
+        rank1 = Publisher(watcher.name, rank=1)
+        logging.getLogger("raytrain_hymt").warning("step 4: update skipped")  # both "ranks" of this process
+        rank1.step(step=99, total=6, loss=0.0, lr=0.0, tokens_per_s=0.0)  # only rank 0 publishes steps
+        rank1.close()
+        rank0.close()
+        watcher.close()
+        text = stream.getvalue()
+        assert "step 4: update skipped" in text and "rank 1: step 4: update skipped" in text and "99" not in text
+        if isinstance(stream, _Terminal):  # one bar redrawn in place: step/total, loss, tokens/s, ETA
+            assert "6/6" in text and "loss 7.4000 1006 tok/s/worker" in text and "<00:00" in text
+            assert "\n" not in text.split("step 4: update skipped")[0]
+        else:  # every console_every steps, the first, the last and every validation
+            assert [line.split()[1] for line in text.splitlines() if line.startswith("step ") and "/" in line.split()[1]] == [
+                "1/6", "3/6", "6/6"]
+            assert "step 3/6 loss 7.7000 val 7.5000 lr 1.00e-03 1003 tok/s/worker" in text
+        with pytest.raises(ValueError):
+            ray_session.get_actor(watcher.name, namespace="hymt")  # the board is gone
+
+
+def test_verbose_brings_rays_output_back(monkeypatch):
+    import logging
+
+    from raytrain_hymt.quiet import ray_init_kwargs
+
+    monkeypatch.delenv("HYMT_VERBOSE", raising=False)
+    assert ray_init_kwargs() == {"log_to_driver": False, "logging_level": logging.ERROR}
+    monkeypatch.setenv("HYMT_VERBOSE", "1")
+    assert ray_init_kwargs() == {"log_to_driver": True, "logging_level": logging.INFO}

@@ -1,0 +1,58 @@
+"""The one generation function (raytrain_hymt.generation): translations pinned to what evaluation's
+replicas produced before it was extracted (CPU, fp32, the tiny random-init model, seed 0: exact)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from raytrain_hymt.generation import batches_longest_first, load_generator, translate_all, translate_or_report
+
+SOURCES = ["Hello.", "The cat sat on the mat and looked out of the window for a long time.", "我喜欢猫。",
+           "Guten Morgen, wie geht es dir?"]
+SRC = ["en", "en", "zh", "de"]
+TGT = ["zh", "de", "en", "ja"]
+# evaluate.Translator's output for these four rows in one batch (max_new_tokens 12), recorded at commit
+# ba359d5, before generation.py existed. A random model's tokens are nonsense, but exactly reproducible.
+PINNED = ["sk�看到好 carount花学j�看到 o", "�散步神��散步�Get�散步ead神", "knew|妹ount好Umeric�我的朋友脱 knew糕",
+          "st散步�散步�散步�散步�散步�散步"]
+
+
+@pytest.fixture(scope="module")
+def tiny_generator():
+    return load_generator("tiny", "fp32", 12, use_gpu=False)
+
+
+def test_translations_are_the_ones_evaluation_produced_before_the_extraction(tiny_generator):
+    from raytrain_hymt.evaluate import Translator
+
+    assert tiny_generator.translate(SOURCES, SRC, TGT) == PINNED
+    # The Ray Data actor of hymt evaluate is a thin shell over the same function.
+    actor = Translator("tiny", "fp32", 12, use_gpu=False)
+    batch = {"id": np.arange(4), "src": np.array(SOURCES, dtype=object), "src_lang": np.array(SRC, dtype=object),
+             "tgt_lang": np.array(TGT, dtype=object)}
+    out = actor(batch)
+    assert list(out["hyp"]) == PINNED and list(out["error"]) == [""] * 4
+
+
+def test_batches_are_longest_first_and_translations_come_back_in_order(tiny_generator):
+    assert batches_longest_first(SOURCES, 3) == [[1, 3, 0], [2]]  # by characters
+    # One batch of all four: the same padding as above, so the same texts, in input order.
+    assert translate_all(tiny_generator, SOURCES, SRC, TGT, batch_size=4) == (PINNED, [""] * 4)
+
+
+def test_a_failing_sentence_loses_no_other(tiny_generator):
+    # "xx" is no language: build_prompt fails for that sentence only, once the batch is retried one by one.
+    texts, errors = translate_or_report(tiny_generator, SOURCES[:2], ["en", "en"], ["zh", "xx"])
+    assert texts[0] == tiny_generator.translate(SOURCES[:1], ["en"], ["zh"])[0] and texts[1] == ""
+    assert errors[0] == "" and errors[1].startswith("UnsupportedLanguageError: ") and "xx" in errors[1]
+
+
+def test_sampling_follows_the_model_card_and_is_seeded():
+    from raytrain_hymt.export import GENERATION_DEFAULTS
+
+    g = load_generator("tiny", "fp32", 12, use_gpu=False, sample=True)
+    config = g.model.generation_config
+    assert {k: getattr(config, k) for k in GENERATION_DEFAULTS} == GENERATION_DEFAULTS
+    first = g.translate(SOURCES, SRC, TGT)
+    assert g.translate(SOURCES, SRC, TGT) == first and first != PINNED
