@@ -138,7 +138,7 @@ def test_benchmark_smoke_ray_train_and_torchrun_agree(ray_session, tmp_path):
     assert torchrun_r["tokens_per_step"] == ray_r["tokens_per_step"]
     assert torchrun_r["losses"] == pytest.approx(ray_r["losses"], rel=1e-5)
     lines = (out / "results.jsonl").read_text().splitlines()
-    assert [json.loads(x)["case"] for x in lines] == ["cpu-packed", "cpu-packed@torchrun"]
+    assert [json.loads(x)["case"] for x in lines] == ["cpu-packed", "cpu-packed@torchrun", "preset:tiny-cpu"]
     table = (out / "table.md").read_text()
     assert "| cpu-packed | ray-train | 2 | packed 512 sdpa | 1 × 2 |" in table
     assert "| cpu-packed@torchrun | torchrun |" in table

@@ -209,7 +209,7 @@ def test_missing_pad_token_falls_back_to_eos(tmp_path):
 
 @pytest.mark.parametrize("preset, stage, offload, lora", [
     ("hy-mt-7b-zero3", 3, False, False), ("hy-mt-7b-zero2", 2, False, False),
-    ("hy-mt-7b-offload", 3, True, False), ("hy-mt-7b-lora", 2, False, True),
+    ("hy-mt-7b-offload", 3, True, False), ("hy-mt-7b-lora", 2, False, True), ("hy-mt-7b-lora-fast", 2, False, True),
 ])
 def test_real_model_presets(preset, stage, offload, lora):
     c = load_config(preset)
@@ -222,3 +222,6 @@ def test_real_model_presets(preset, stage, offload, lora):
     assert ("offload_optimizer" in ds["zero_optimization"]) is offload
     assert ("offload_param" in ds["zero_optimization"]) is offload
     assert ds["bf16"]["enabled"] is True
+    if preset.startswith("hy-mt-7b-lora"):  # the lean one checkpoints activations, the fast one compiles
+        fast = preset.endswith("-fast")
+        assert (c.deepspeed.activation_checkpointing, c.model.compile) == (not fast, fast)
