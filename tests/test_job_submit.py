@@ -10,6 +10,7 @@ import pytest
 
 from conftest import REPO
 from ray_cluster import BIN, ray_head
+from test_console import assert_quiet_console
 
 pytestmark = pytest.mark.integration
 
@@ -33,6 +34,7 @@ def test_train_job_submitted_with_the_ray_cli_succeeds(tmp_path):
                               cwd=REPO, env=env, capture_output=True, text=True, timeout=60).stdout
     assert status.stdout.strip() == "SUCCEEDED", f"{status.stdout}{status.stderr}\n{submit.stdout[-3000:]}"
     assert "run submitted: 6 steps" in logs
+    assert_quiet_console(logs, steps=6)
     summary = json.loads((storage / "submitted" / "summary.json").read_text())
     assert summary["steps"] == 6
     assert Path(summary["model_dir"], "model.safetensors").exists()
