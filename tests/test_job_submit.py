@@ -11,6 +11,7 @@ import pytest
 from conftest import REPO
 from fault_tolerance_common import read_records
 from ray_cluster import BIN, alive_node_ids, ray_head
+from test_console import assert_quiet_console
 
 pytestmark = pytest.mark.integration
 
@@ -42,9 +43,10 @@ def test_train_job_submitted_with_the_ray_cli_succeeds(tmp_path):
     with ray_head() as (url, env):
         _, logs = _submit_train(url, env, "hymt-e2e", "submitted", storage)
     assert "run submitted: 6 steps" in logs
+    assert_quiet_console(logs, steps=6)
     summary = json.loads((storage / "submitted" / "summary.json").read_text())
     assert summary["steps"] == 6
-    assert Path(summary["model_dir"], "model.safetensors").exists()
+    assert Path(summary["model_dir"], "model.safetensors.index.json").exists()  # the workers' sharded export
 
 
 def test_train_job_on_two_nodes_places_workers_on_both(tmp_path):
