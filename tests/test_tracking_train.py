@@ -154,7 +154,7 @@ def test_artifacts_config_deepspeed_and_model(outage_run, tmp_path):
     assert ds["zero_optimization"]["stage"] == 2
     assert ds["train_micro_batch_size_per_gpu"] == 4
     model_files = {Path(a.path).name for a in client.list_artifacts(summary.mlflow_run_id, "model")}
-    assert {"config.json", "model.safetensors", "tokenizer.json"} <= model_files
+    assert {"config.json", "model.safetensors.index.json", "tokenizer.json"} <= model_files
     assert client.get_run(summary.mlflow_run_id).data.tags["model_dir"] == summary.model_dir
 
 
