@@ -35,7 +35,7 @@ TRAJECTORY_FREE: tuple[str, ...] = (
     "tune.",
     "checkpoint.every_steps", "checkpoint.num_to_keep", "checkpoint.max_failures", "checkpoint.async_upload",
     "run.storage_root", "run.export", "run.export_shard_mb", "run.allow_config_change", "run.name",
-    "scaling.use_gpu", "scaling.cpus_per_worker", "scaling.local_num_cpus",
+    "scaling.use_gpu", "scaling.cpus_per_worker", "scaling.local_num_cpus", "scaling.env.",
     "data.tokenize_actors", "data.tokenize_batch_size", "data.max_val_examples",
     "model.compile", "model.fused_loss", "model.attn_implementation",
     "deepspeed.activation_checkpointing", "deepspeed.overlap_comm", "deepspeed.reduce_bucket_size",

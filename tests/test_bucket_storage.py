@@ -31,6 +31,8 @@ pytestmark = pytest.mark.integration
 BUCKET = "hymt-bucket-test"
 KILL_STEP = 5  # rank 1 SIGKILLs itself before this step; checkpoints every 2 steps
 STEPS = 8
+#: What reaches the job only through scaling.env.
+S3_VARIABLES = {"AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"}
 
 
 @pytest.fixture()
@@ -79,7 +81,7 @@ def test_bucket_run_trains_resumes_after_a_kill_exports_and_evaluates(s3_endpoin
 
     name = f"bucket-{uuid.uuid4().hex[:8]}"
     records = tmp_path / "records"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env = {k: v for k, v in os.environ.items() if k not in S3_VARIABLES}
     env.update(HYMT_RECORD_DIR=str(records), HYMT_FAULTS=json.dumps(
         [{"kind": "sigkill", "rank": 1, "step": KILL_STEP, "once": str(tmp_path / "killed")}]))
     secret = "moto-secret-4711"
@@ -131,3 +133,23 @@ def test_bucket_run_trains_resumes_after_a_kill_exports_and_evaluates(s3_endpoin
 
     assert params["scaling.env.AWS_SECRET_ACCESS_KEY"] == "***" and params["scaling.env.AWS_ENDPOINT_URL"] == s3_endpoint
     assert secret not in (run / "summary.json").read_text()
+
+
+def test_evaluation_replicas_get_scaling_env_from_their_runtime_env(finished_run, s3_endpoint):
+    """The session's Ray (and this process) has no AWS variable: only the replicas' runtime environment,
+    built from ``scaling.env``, lets them copy the model from the bucket."""
+    from raytrain_hymt.config import load_config
+    from raytrain_hymt.evaluate import translate
+
+    _, summary = finished_run
+    client = _client(s3_endpoint)
+    for path in Path(summary.model_dir).iterdir():
+        client.upload_file(str(path), BUCKET, f"model/{path.name}")
+    assert not S3_VARIABLES & set(os.environ)
+    cfg = load_config(None, ["eval.workers=1", "eval.max_new_tokens=4", f"scaling.env.AWS_ENDPOINT_URL={s3_endpoint}",
+                             "scaling.env.AWS_ACCESS_KEY_ID=testing", "scaling.env.AWS_SECRET_ACCESS_KEY=testing",
+                             "scaling.env.AWS_DEFAULT_REGION=us-east-1"])
+    rows = [{"id": 0, "src": "Hello.", "src_lang": "en", "tgt_lang": "zh"},
+            {"id": 1, "src": "你好。", "src_lang": "zh", "tgt_lang": "en"}]
+    hyps = translate(rows, cfg, f"s3://{BUCKET}/model")
+    assert len(hyps) == 2 and all(isinstance(h, str) for h in hyps)

@@ -66,7 +66,7 @@ def test_sbatch_trains_the_tiny_preset_to_a_finished_run(tmp_path):
     assert state == "COMPLETED", f"job {job} ended {state}:\n{text[-5000:]}"
     assert "run slurm: 4 steps" in text
     summary = json.loads((storage / "slurm" / "summary.json").read_text())
-    assert summary["steps"] == 4 and Path(summary["model_dir"], "model.safetensors").exists()
+    assert summary["steps"] == 4 and Path(summary["model_dir"], "model.safetensors.index.json").exists()
     # Its Ray ended with it: nothing is left running from the job's temp dir.
     ps = subprocess.run(["pgrep", "-f", f"/tmp/hymt-ray-{job}(/| |$)"], capture_output=True, text=True)
     assert ps.stdout.strip() == "", f"processes of the job's Ray still run: {ps.stdout}"
