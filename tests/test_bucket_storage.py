@@ -117,7 +117,9 @@ def test_bucket_run_trains_resumes_after_a_kill_exports_and_evaluates(s3_endpoin
     assert summary["run_dir"] == f"s3://{BUCKET}/runs/{name}"
     assert summary["model_dir"] == f"s3://{BUCKET}/runs/{name}/model"
     assert set(summary["test_scores"]["scores"]) == {"en-zh", "zh-en"}  # the replicas read the model from the bucket
-    assert "eval/devtest/scores.json" in files
+    # The evaluation history: one folder per evaluation (its scores.json) and one history.jsonl.
+    assert "eval/devtest/history.jsonl" in files
+    assert [f for f in files if f.startswith("eval/devtest/") and f.endswith("/scores.json")]
     checkpoints = {f.split("/")[0] for f in files if f.startswith("checkpoint_step")}
     assert f"checkpoint_step{STEPS:08d}" in checkpoints
     model = AutoModelForCausalLM.from_pretrained(run / "model")  # a loadable Hugging Face folder
