@@ -153,5 +153,6 @@ def test_evaluation_replicas_get_scaling_env_from_their_runtime_env(finished_run
                              "scaling.env.AWS_DEFAULT_REGION=us-east-1"])
     rows = [{"id": 0, "src": "Hello.", "src_lang": "en", "tgt_lang": "zh"},
             {"id": 1, "src": "你好。", "src_lang": "zh", "tgt_lang": "en"}]
-    hyps = translate(rows, cfg, f"s3://{BUCKET}/model")
+    hyps, errors = translate(rows, cfg, f"s3://{BUCKET}/model")
     assert len(hyps) == 2 and all(isinstance(h, str) for h in hyps)
+    assert errors == ["", ""]
