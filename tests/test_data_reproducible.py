@@ -21,7 +21,7 @@ import pytest
 
 from fault_tolerance_common import attempts, effective, read_records
 from raytrain_hymt.cli import main
-from raytrain_hymt.config import SourceConfig, load_config
+from raytrain_hymt.config import load_config
 from raytrain_hymt.data.epochs import epoch_batches, window_rows
 from raytrain_hymt.data.fingerprint import DataChangedError, check_same_data, compare_fingerprints, sources_fingerprint
 from raytrain_hymt.data.pipeline import PARTITION_BYTES, build_datasets, sort_partitions
