@@ -74,8 +74,18 @@ def check_resume(saved: dict, new: dict) -> list[Difference]:
         old = before.get(field, defaults.get(field, _ABSENT))
         now = after.get(field, _ABSENT)
         if old != now:
-            diffs.append(Difference(field, old, now, changes_trajectory(field)))
+            trajectory = changes_trajectory(field) and not (field == "data.sources" and _moved_only(old, now))
+            diffs.append(Difference(field, old, now, trajectory))
     return diffs
+
+
+def _moved_only(old: Any, now: Any) -> bool:
+    """Whether two ``data.sources`` lists differ in their paths alone. Rows are named relative to their
+    source's root, so a corpus moved or mounted elsewhere trains the same rows; whether the files still
+    hold the same data is the data fingerprint's check (``resume_data``), which runs next."""
+    def strip(sources):
+        return [{k: v for k, v in s.items() if k != "path"} for s in sources] if isinstance(sources, list) else sources
+    return strip(old) == strip(now)
 
 
 def _shown(value: Any) -> str:

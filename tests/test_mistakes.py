@@ -29,7 +29,7 @@ from raytrain_hymt.checkpoint import IncompleteCheckpointError, check_checkpoint
 from raytrain_hymt.config import Config, ConfigError, flatten, load_config
 from raytrain_hymt.data.cleaning import DataQualityError
 from raytrain_hymt.data.preflight import check_inputs, model_problem, nearest_language, source_problems, trained_directions
-from raytrain_hymt.data.readers import read_lines, tatoeba_parser
+from raytrain_hymt.data.readers import file_name, read_lines, tatoeba_parser
 from raytrain_hymt.errors import describe_failure
 from raytrain_hymt.resume import CHANGES_FILE, TRAJECTORY_FREE, changes_trajectory, check_resume, keep_first_config
 from raytrain_hymt.storage import RunFolder
@@ -153,7 +153,7 @@ def test_moses_partners_must_exist_and_have_as_many_lines(tmp_path):
 def test_a_utf8_bom_is_not_part_of_the_first_language_label(tmp_path):
     path = tmp_path / "bom.tsv"
     path.write_bytes("\ufeffeng\tdeu\tHi\tHallo\n".encode("utf-8"))
-    (table,) = read_lines(str(path), 0, tatoeba_parser(None, None), str(path))
+    (table,) = read_lines(str(path), 0, tatoeba_parser(None, None), file_name(str(path), str(tmp_path)))
     assert table.column("src_lang").to_pylist() == ["eng"]
     assert table.column("src").to_pylist() == ["Hi"]
 
@@ -266,7 +266,7 @@ def test_too_many_bad_rows_through_ray_reach_the_user_whole(capsys, ray_session,
 def test_ctrl_c_outside_training_is_one_line_without_traceback(capsys, monkeypatch, tmp_path):
     import raytrain_hymt.data.prepare as prepare
 
-    def interrupted(cfg, out):  # stands in for the user pressing Ctrl-C while the data is prepared
+    def interrupted(cfg, out, **_options):  # stands in for the user pressing Ctrl-C while the data is prepared
         raise KeyboardInterrupt
 
     monkeypatch.setattr(prepare, "prepare_dataset", interrupted)
@@ -424,6 +424,22 @@ def test_a_logging_change_resumes_and_is_recorded(tmp_path):
     assert record["allowed"] is False
     assert [(c["field"], c["before"], c["after"]) for c in record["changes"]] == [
         ("eval.every_steps", 30, 7), ("tracking.log_every_steps", 1, 5)]
+
+
+def test_a_corpus_moved_elsewhere_resumes_and_another_one_stops(tmp_path):
+    """Rows are named relative to their source's root, so a path alone may change (the data fingerprint,
+    checked next, compares the files' content); any other source field changes what the run trains."""
+    folder = RunFolder(str(tmp_path), "m")
+
+    def at(path: str, tgt: str = "en"):
+        return load_config(None, ["run.name=m", f"data.sources=[{{path: '{path}', format: tsv, src_lang: de, tgt_lang: {tgt}}}]"])
+
+    keep_first_config(folder, at("/old/corpus.tsv"))
+    keep_first_config(folder, at("/new/corpus.tsv"))
+    record = json.loads((tmp_path / "m" / CHANGES_FILE).read_text())
+    assert [(c["field"], c["trajectory"]) for c in record["changes"]] == [("data.sources", False)]
+    with pytest.raises(ConfigError, match=r"\(1 field\):\n  data.sources: "):
+        keep_first_config(folder, at("/new/corpus.tsv", tgt="fr"))
 
 
 # ---- Ctrl-C during training (a real run) ----------------------------------------------------------
