@@ -50,7 +50,9 @@ def test_the_driver_shows_what_rank_0_publishes(ray_session):
         rank0.close()
         watcher.close()
         text = stream.getvalue()
-        assert "step 4: update skipped" in text and "rank 1: step 4: update skipped" in text and "99" not in text
+        assert "step 4: update skipped" in text and "rank 1: step 4: update skipped" in text
+        # rank 1's step is never shown ("99" alone could be part of tqdm's rate, e.g. 1.99step/s)
+        assert "99/6" not in text and "loss 0.0000" not in text
         if isinstance(stream, _Terminal):  # one bar redrawn in place: step/total, loss, tokens/s, ETA
             assert "6/6" in text and "loss 7.4000 1006 tok/s/worker" in text and "<00:00" in text
             assert "\n" not in text.split("step 4: update skipped")[0]
