@@ -46,9 +46,10 @@ class _Forward(logging.Handler):
     def __init__(self, board, prefix: str):
         super().__init__(logging.WARNING)
         self.board, self.prefix = board, prefix
+        self.sent = None  # the last message's reference: ``Publisher.close`` waits for it
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.board.say.remote(self.prefix + self.format(record))
+        self.sent = self.board.say.remote(self.prefix + self.format(record))
 
 
 class Publisher:
@@ -70,8 +71,18 @@ class Publisher:
             self.board.publish.remote(update)
 
     def close(self) -> None:
-        if self.handler is not None:
-            log.removeHandler(self.handler)
+        """Stop forwarding, once what was sent has reached the board: the driver reads it after the workers
+        end, and messages sent through two handles (this rank's, the driver's) are not ordered."""
+        if self.handler is None:
+            return
+        log.removeHandler(self.handler)
+        if self.handler.sent is not None:
+            import ray
+
+            try:
+                ray.get(self.handler.sent, timeout=10)
+            except Exception:  # noqa: BLE001 - progress is cosmetic: a gone board never stops a worker
+                pass
 
 
 def line(u: dict) -> str:
