@@ -300,9 +300,10 @@ def evaluate_run(cfg, model: str | None = None) -> EvalResult:
         model, step, status_if_failed = summary["model_dir"], int(summary.get("steps", 0)), "FINISHED"
         started_locally = init_ray(cfg)
         saved = json.loads(folder.read_text(RUN_FILE) or "{}")
-        tracker = make_tracker(cfg.tracking.enabled and bool(saved.get("mlflow_run_id")),
+        tracker = make_tracker(cfg.tracking.enabled and bool(saved.get("mlflow_run_id") or saved.get("mlflow_run_key")),
                                tracking_uri=saved.get("tracking_uri"), experiment=cfg.tracking.experiment,
-                               run_name=cfg.run.name, run_id=saved.get("mlflow_run_id"), local_dir=folder.local,
+                               run_name=cfg.run.name, run_id=saved.get("mlflow_run_id"),
+                               run_key=saved.get("mlflow_run_key"), local_dir=folder.local,
                                retry_interval_s=cfg.tracking.retry_interval_s, new_measurements=True)
     else:
         cfg.run.name = cfg.run.name or f"eval-{Path(model.rstrip('/')).name}"

@@ -43,6 +43,8 @@ class LoopInputs:
     data_fingerprint: dict | None = None
     progress_board: str | None = None
     """Name of the driver's progress actor (``progress.py``): rank 0 publishes every step there."""
+    tracking_run_key: str | None = None
+    """The job's MLflow key (``run.json``): rank 0 finds or creates the run by it while its id is unknown."""
 
 
 def rank_slice(global_batch: dict[str, np.ndarray], micro: int, rank: int, world: int, micro_batch: int) -> dict:
@@ -419,9 +421,10 @@ def train_loop(loop_config: dict) -> None:
     skipped_steps = state.skipped_steps if state else 0
     generation = state.generation if state else 0
     tracker = make_tracker(
-        w.rank == 0 and cfg.tracking.enabled and inputs.tracking_run_id is not None,
+        w.rank == 0 and cfg.tracking.enabled and inputs.tracking_uri is not None,  # rank 0 logs even if the server is down
         tracking_uri=inputs.tracking_uri, experiment=cfg.tracking.experiment, run_name=cfg.run.name or "",
-        run_id=inputs.tracking_run_id, local_dir=inputs.run_dir, tensorboard=cfg.tracking.tensorboard,
+        run_id=inputs.tracking_run_id, run_key=inputs.tracking_run_key, local_dir=inputs.run_dir,
+        tensorboard=cfg.tracking.tensorboard,
         retry_interval_s=cfg.tracking.retry_interval_s,
     )
     sample = TrainingSample(cfg, w.tokenizer, w.rank, inputs.run_dir) if cfg.eval.bleu_every_steps else None

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import time
+import uuid
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
@@ -99,19 +100,21 @@ def start_tracking(cfg: Config, run_dir: Path, parent_run_id: str | None = None,
     Returns ``(tracker, tracking_uri)``; ``(NullTracker, None)`` when tracking is off. ``parent_run_id``
     makes it a child run (a search's trial); ``new_measurements``: see ``Tracker.start``.
     """
-    from raytrain_hymt.tracking import make_tracker, resolve_tracking_uri
+    from raytrain_hymt.tracking import make_tracker
+    from raytrain_hymt.tracking_store import resolve_tracking_uri
 
     if not cfg.tracking.enabled:
         return make_tracker(False), None
     uri = resolve_tracking_uri(cfg.tracking.tracking_uri, cfg.run.storage_path)
     saved = json.loads((run_dir / RUN_FILE).read_text()) if (run_dir / RUN_FILE).exists() else {}
+    run_key = saved.get("mlflow_run_key") or uuid.uuid4().hex  # finds the run while its id is unknown (server down)
     tracker = make_tracker(
         True, tracking_uri=uri, experiment=cfg.tracking.experiment, run_name=cfg.run.name,
-        run_id=saved.get("mlflow_run_id"), local_dir=run_dir, tensorboard=False,
+        run_id=saved.get("mlflow_run_id"), run_key=run_key, local_dir=run_dir, tensorboard=False,
         parent_run_id=parent_run_id, retry_interval_s=cfg.tracking.retry_interval_s,
         new_measurements=new_measurements,
     )
-    (run_dir / RUN_FILE).write_text(json.dumps({"mlflow_run_id": tracker.run_id, "tracking_uri": uri}))
+    (run_dir / RUN_FILE).write_text(json.dumps({"mlflow_run_id": tracker.run_id, "mlflow_run_key": run_key, "tracking_uri": uri}))
     tracker.log_params(cfg.model_dump(mode="json"))  # flattened and redacted by the tracker
     tracker.log_text(to_yaml(cfg), "config.yaml")
     return tracker, uri
@@ -239,7 +242,7 @@ def run_training(cfg: Config, *, datasets=None, callbacks=(), parent_run_id: str
         check_cluster_resources(cfg, started_locally)
     folder.pull(RUN_FILE)  # a re-submitted job continues the MLflow run of the first one
     tracker, uri = start_tracking(cfg, run_dir, parent_run_id=parent_run_id)
-    if tracker.run_id:
+    if uri:  # the run's key, even while the server is down
         folder.push(RUN_FILE)
     try:
         train, val, stats = datasets or build_datasets(cfg)
@@ -247,7 +250,7 @@ def run_training(cfg: Config, *, datasets=None, callbacks=(), parent_run_id: str
         tracker.log_metrics(stats.as_metrics(), step=0)
         loop_inputs = {
             "config": cfg.model_dump(mode="json"), "train_rows": stats.train_rows,
-            "tracking_run_id": tracker.run_id, "tracking_uri": uri, "run_dir": str(run_dir),
+            "tracking_run_id": tracker.run_id, "tracking_run_key": tracker.run_key, "tracking_uri": uri, "run_dir": str(run_dir),
             "data_fingerprint": fingerprint,
         }
         watcher = None if verbose() else Watcher()  # verbose: rank 0's own lines are forwarded instead
@@ -262,8 +265,7 @@ def run_training(cfg: Config, *, datasets=None, callbacks=(), parent_run_id: str
         model_dir = None
         if cfg.run.export:  # the workers wrote it (train_loop.Worker.export); the driver only says where
             model_dir = folder.location(MODEL_DIR)
-            if tracker.run_id:
-                tracker.set_tags({"model_dir": model_dir})
+            tracker.set_tags({"model_dir": model_dir})
             if cfg.tracking.log_model:
                 if folder.remote:
                     log.warning("tracking.log_model: the model is in %s, not uploaded again to MLflow", model_dir)
