@@ -46,9 +46,15 @@ class MetricsLog:
         self._tb = _tensorboard_writer(folder / TENSORBOARD_DIR) if tensorboard else None
 
     def write(self, kind: str, items: list[tuple[str, Any, int | None]], when: float) -> None:
-        """One JSON line per (key, value, step), flushed so that a crash loses nothing; metrics also to TensorBoard."""
+        """One JSON line per (key, value, step), flushed so that a crash loses nothing; metrics also to TensorBoard.
+
+        Nothing once closed: what a job logs after its tracker finished is ignored.
+        """
+        if self._file.closed:
+            return
         for key, value, step in items:
-            self._file.write(json.dumps({"kind": kind, "step": step, "key": key, "value": value, "time": when}, default=str) + "\n")
+            line = {"kind": kind, "step": step, "key": key, "value": value, "time": when}
+            self._file.write(json.dumps(line, default=str) + "\n")
             if kind == "metric" and self._tb is not None:
                 self._tb.add_scalar(key, value, step)
         self._file.flush()

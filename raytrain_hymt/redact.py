@@ -9,29 +9,22 @@ from typing import Any
 
 REDACTED = "***"
 
-_SECRET_WORDS = (
-    "token", "password", "passwd", "secret", "api_key", "apikey", "access_key", "credential",
-    "credentials", "auth", "authorization", "private_key",
-)  # fmt: skip
+_SECRET_WORDS = ("token", "password", "passwd", "secret", "api_key", "apikey", "access_key", "credential",
+                 "credentials", "auth", "authorization", "private_key")  # fmt: skip
 # Whole words only: `hf_token` is a secret, `max_tokens` / `tokenizer` are not.
 _SECRET_KEY_RE = re.compile(r"(?:^|_)(?:" + "|".join(_SECRET_WORDS) + r")(?:_|$)")
 # `pad_token_id`, `eos_token_ids`: numbers, not secrets.
 _ID_SUFFIX_RE = re.compile(r"_ids?$")
 _URI_CREDENTIALS_RE = re.compile(r"\b([a-zA-Z][a-zA-Z0-9+.\-]*://[^/\s:@]+):([^@\s/]+)@")
-_TEXT_ASSIGNMENT_RE = re.compile(
-    r"""^(?P<head>\s*(?:-\s+)?["']?(?P<key>[\w.\-]+)["']?\s*[:=]\s*)(?P<value>.+?)(?P<tail>\s*,?\s*)$""",
-    re.MULTILINE,
-)
-
-
-def _words(component: str) -> str:
-    """``hfToken`` / ``HF-Token`` / ``hf token`` -> ``hf_token`` (so that word matching is uniform)."""
-    return re.sub(r"[^a-z0-9]+", "_", re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", component).lower()).strip("_")
+_TEXT_ASSIGNMENT_RE = re.compile(  # `key: value`, `"key": "value",`, `key=value`, `- key: value`, one a line
+    r"""^(?P<head>\s*(?:-\s+)?["']?(?P<key>[\w.\-]+)["']?\s*[:=]\s*)(?P<value>.+?)(?P<tail>\s*,?\s*)$""", re.MULTILINE)
 
 
 def is_secret_key(key: Any) -> bool:
     """True when any dotted component of ``key`` names a secret (token, password, api_key, ...)."""
-    words = [_words(component) for component in str(key).split(".")]
+    # `hfToken` / `HF-Token` / `hf token` -> `hf_token`, so that word matching is uniform.
+    snake = [re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", component).lower() for component in str(key).split(".")]
+    words = [re.sub(r"[^a-z0-9]+", "_", w).strip("_") for w in snake]
     return any(_SECRET_KEY_RE.search(w) and not _ID_SUFFIX_RE.search(w) for w in words)
 
 

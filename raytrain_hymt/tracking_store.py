@@ -114,3 +114,25 @@ def find_or_create_run(client, tracking_uri: str, experiment: str, run_name: str
     if run.info.status != "RUNNING":
         client.update_run(run.info.run_id, status="RUNNING")
     return run
+
+
+class RunContents:
+    """What a run holds: its params, and each metric key's last step. A resumed job repeats the steps since its last
+    checkpoint, and a second point per step would make the history zigzag: :meth:`admit` keeps only later steps
+    (the first value stays), unless ``every_step`` (a re-evaluation adds new scores at the run's last step)."""
+
+    def __init__(self, run=None, every_step: bool = False):
+        self.params: dict[str, str] = dict(run.data.params) if run else {}
+        self.every_step = every_step
+        # _metric_objs (MLflow 3.17): each key's latest metric, the one at its last step.
+        self.last_step = {m.key: m.step for m in run.data._metric_objs} if run and not every_step else {}
+
+    def admit(self, metrics: list) -> list:
+        """The metrics (``mlflow.entities.Metric``, in logging order) at steps the run does not have; they count as
+        had from now on."""
+        fresh = []
+        for m in metrics:
+            if self.every_step or m.step > self.last_step.get(m.key, -1):
+                self.last_step[m.key] = m.step
+                fresh.append(m)
+        return fresh

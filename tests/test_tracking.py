@@ -153,6 +153,7 @@ def test_sqlite_default_params_metrics_and_resume(tmp_path, caplog):
     for step in range(3, 8):
         second.log_metrics({"train/loss": 100.0 + step}, step=step)
     second.finish()
+    second.log_metrics({"train/loss": 0.5}, step=8)  # after finish: ignored (neither MLflow nor the JSONL)
 
     client = MlflowClient(uri)
     runs = client.search_runs([first.experiment_id])
@@ -192,8 +193,7 @@ def test_server_logging_over_http(server_url, tmp_path):
         tracking_uri=server_url, experiment="http", run_name="r", run_id=tracker.run_id, local_dir=tmp_path / "w"
     )
     worker.log_metrics({"loss": 0.01}, step=40)
-    worker.flush()
-    worker.close()
+    worker.close()  # sends what it queued
     client = MlflowClient(server_url)
     assert client.get_run(tracker.run_id).info.status == "RUNNING"
     tracker.finish()

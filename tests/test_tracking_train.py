@@ -222,7 +222,7 @@ def test_server_down_at_start_rank0_attaches_when_it_comes_up(ray_session, tmp_p
     # Rank 0 writes its local copy while nothing answers.
     _wait("3 steps in metrics.jsonl with the server down", lambda: (run_dir / "metrics.jsonl").exists()
           and len(_jsonl_steps(run_dir, "train/loss")) >= 3, thread=thread)
-    with run_mlflow_server(db, port):
+    with run_mlflow_server(db, port, startup_timeout_s=300):  # a first start on a busy machine: over a minute
         up_at = max(_jsonl_steps(run_dir, "train/loss"))
         thread.join(timeout=900)
         assert "summary" in outcome, "training failed (see its log above)"
