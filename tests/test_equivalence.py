@@ -53,7 +53,7 @@ def sample_rows(n: int) -> dict[str, np.ndarray]:
     from raytrain_hymt.data.packing import as_single_rows
     from raytrain_hymt.data.prompts import build_prompt
     from raytrain_hymt.data.tokenize import answer_suffix, encode_pairs
-    from raytrain_hymt.model import load_tokenizer
+    from raytrain_hymt.tokenizer import load_tokenizer
     from raytrain_hymt.sample import SAMPLE_CORPUS
 
     tok = load_tokenizer("tiny")
@@ -90,7 +90,8 @@ def _train_configs(loop_config: dict) -> None:
 
     from raytrain_hymt.checkpoint import RunState, save_rank_checkpoint, step_tag
     from raytrain_hymt.export import export_from_engine
-    from raytrain_hymt.train_loop import LoopInputs, Worker
+    from raytrain_hymt.worker import LoopInputs, Worker
+    from zero0_reference import record_exact_grad_norm
 
     out = Path(loop_config["out"])
     batches, probe = loop_config["batches"], loop_config["probe"]
@@ -99,8 +100,10 @@ def _train_configs(loop_config: dict) -> None:
     rank = ctx.get_world_rank()
     for name, run in loop_config["runs"].items():
         w = Worker(LoopInputs(config=run["config"], train_rows=STEPS * ROWS_PER_STEP, tracking_run_id=None,
-                              tracking_uri=None, run_dir=str(out)))
+                              tracking_uri=None, run_dir=str(out)), rank, ctx.get_world_size())
         w.build()
+        if w.cfg.deepspeed.zero_stage == 0:
+            record_exact_grad_norm(w.engine)  # the fp32 reference: the norm the ZeRO stages report
         steps = [w.train_step(b) for b in batches]
         results[name] = {k: [s[k] for s in steps] for k in steps[0]}
         if run.get("probe"):
@@ -191,7 +194,8 @@ def curves(ray_session, tmp_path_factory):
 
 def _tiny_model_folder(folder: Path) -> str:
     """The tiny model's initial weights (seed 0, as every run above starts from) saved as a model folder."""
-    from raytrain_hymt.model import load_model, load_tokenizer
+    from raytrain_hymt.model import load_model
+    from raytrain_hymt.tokenizer import load_tokenizer
 
     tok = load_tokenizer("tiny")
     load_model("tiny", tok, seed=0).save_pretrained(folder)
@@ -335,7 +339,8 @@ def test_lora(curves, tmp_path):
 
     from raytrain_hymt.checkpoint import LORA_CONFIG_FILE
     from raytrain_hymt.export import _checkpoint_tensors, export_checkpoint
-    from raytrain_hymt.model import load_model, load_tokenizer
+    from raytrain_hymt.model import load_model
+    from raytrain_hymt.tokenizer import load_tokenizer
 
     out, results = curves
     _same_curve(results, "lora_zero3", "lora_zero2")
