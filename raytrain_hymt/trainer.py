@@ -212,6 +212,7 @@ def run_training(cfg: Config, *, datasets=None, callbacks=(), parent_run_id: str
     """
     from ray.train import TrainingFailedError
 
+    from raytrain_hymt.data import progress as data_progress
     from raytrain_hymt.data.pipeline import build_datasets
     from raytrain_hymt.errors import budget_spent
     from raytrain_hymt.evaluate import evaluate_model, log_result
@@ -242,7 +243,10 @@ def run_training(cfg: Config, *, datasets=None, callbacks=(), parent_run_id: str
     if tracker.run_id:
         folder.push(RUN_FILE)
     try:
-        train, val, stats = datasets or build_datasets(cfg)
+        if datasets is None:  # a search's trial gets the datasets its search built
+            with data_progress.showing():
+                datasets = build_datasets(cfg)
+        train, val, stats = datasets
         log.info(stats.summary())
         tracker.log_metrics(stats.as_metrics(), step=0)
         loop_inputs = {
