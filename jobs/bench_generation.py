@@ -37,7 +37,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from raytrain_hymt.bench import model_folder
+    from benchmarks.throughput import model_folder
     from raytrain_hymt.generation import Generator, load_generator, translate_all
 
     gpu = torch.cuda.is_available()
@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     texts, warm = timed(gen.translate, sources, *langs)
     result.update(first_call_ms_per_step=1000 * first / args.new_tokens, warm_ms_per_step=1000 * warm / args.new_tokens)
     if args.test_set:
-        from raytrain_hymt.evaluate import load_test_set, plan_rows
+        from raytrain_hymt.testsets import load_test_set, plan_rows
 
         rows = plan_rows(load_test_set(args.test_set), args.directions, args.sentences)
         _, seconds = timed(translate_all, gen, [r["src"] for r in rows], [r["src_lang"] for r in rows],
