@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     import torch
     import transformers
 
-    from raytrain_hymt.bench import model_folder
+    from benchmarks.throughput import model_folder
     from raytrain_hymt.generation import load_generator, translate_all
 
     gpu = torch.cuda.is_available()
@@ -122,7 +122,7 @@ def main(argv=None) -> int:
     result["speedup_warm"] = result["generate"]["warm_ms_per_step"] / result["static"]["warm_ms_per_step"]
     result["agreement"] = agreement(gen, gen.encode(sources, *langs), args.margin)
     if args.test_set:
-        from raytrain_hymt.evaluate import load_test_set, plan_rows
+        from raytrain_hymt.testsets import load_test_set, plan_rows
 
         rows = plan_rows(load_test_set(args.test_set), args.directions, args.sentences)
         columns = [[r[k] for r in rows] for k in ("src", "src_lang", "tgt_lang")]

@@ -268,7 +268,8 @@ def load_generator(model: str, precision: str, max_new_tokens: int, use_gpu: boo
     """A :class:`Generator` for ``model`` (a folder, hub id, URI or ``tiny``) on GPU 0 or the CPU."""
     import transformers
 
-    from raytrain_hymt.model import load_model, load_tokenizer
+    from raytrain_hymt.model import load_model
+    from raytrain_hymt.tokenizer import load_tokenizer
 
     transformers.utils.logging.disable_progress_bar()  # one bar per replica would clutter the job's log
     device = torch.device("cuda", 0) if use_gpu else torch.device("cpu")

@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from raytrain_hymt.config import SourceConfig
+from raytrain_hymt.config_sections import SourceConfig
 from raytrain_hymt.data.readers import (
     PAIR_COLUMNS,
     DataSourceError,
