@@ -177,14 +177,15 @@ class Worker:
                 if self.rank == 0:
                     log.warning("not resuming from %s", e)
                 continue
-            check_same_shape(saved, self.world, self.global_rows, self.cfg.deepspeed.zero_stage)
+            check_same_shape(saved, self.global_rows, self.cfg.deepspeed.zero_stage)
             if self.base_model is not None:
                 check_base_model(saved.base_model, f"resuming from {path}", self.cfg.model.name_or_path,
                                  self.cfg.run.seed)
             error = None
             try:
                 with ray.train.Checkpoint(path, filesystem=fs).as_directory() as folder:
-                    state = restore_rank(self.engine, folder, self.rank)
+                    state = restore_rank(self.engine, folder, self.rank, self.world,
+                                         ray.train.get_context().get_local_rank(), self.device, where=path)
             except Exception as e:  # noqa: BLE001 - a shard whole in size but not in content
                 from raytrain_hymt.checkpoint import unreadable_file
 
