@@ -94,9 +94,11 @@ def track_run(cfg: Config, folder: RunFolder, parent_run_id: str | None):
 
 def build_run_datasets(cfg: Config, tracker):
     """The run's ``(train, val, stats)`` datasets (Ray Data), with the statistics logged at step 0."""
+    from raytrain_hymt import data_progress
     from raytrain_hymt.data.pipeline import build_datasets
 
-    train, val, stats = build_datasets(cfg)
+    with data_progress.showing():
+        train, val, stats = build_datasets(cfg)
     log.info(stats.summary())
     tracker.log_metrics(stats.as_metrics(), step=0)
     return train, val, stats
