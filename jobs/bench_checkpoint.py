@@ -3,8 +3,10 @@
 One process, one worker (no Ray): it builds the model and DeepSpeed engine exactly as a training worker
 does (``Worker``'s helpers), trains one step so the optimizer states exist, then times
 ``save_rank_checkpoint`` (every file a checkpoint holds), ``check_checkpoint`` (what a restart reads
-before trusting a checkpoint) and ``restore_rank`` (DeepSpeed's load + RNG). A checkpoint's total size
-does not depend on the worker count (ZeRO splits the same optimizer states over more files).
+before trusting a checkpoint), ``restore_rank`` (DeepSpeed's load + RNG) and the conversion to
+DeepSpeed's universal form that a resume on another worker count runs once per node (``reshard``: its
+seconds and the converting process's peak memory). A checkpoint's total size does not depend on the
+worker count (ZeRO splits the same optimizer states over more files).
 
     python jobs/bench_checkpoint.py                          # the tiny model on CPU (fp32, ZeRO-2)
     python jobs/bench_checkpoint.py --gpu --layers 2 4       # Hunyuan-MT-7B width at 2 and 4 layers, bf16,
@@ -110,15 +112,33 @@ def measure(layers: int | None, gpu: bool, precision: str, zero_stage: int, toke
         if gpu:
             torch.cuda.synchronize()
         restore_s = time.perf_counter() - started
+        universal_s, universal_gib = _universal_conversion(folder, state.tag, work / "universal")
         shutil.rmtree(folder, ignore_errors=True)
         return {"layers": layers if layers is not None else model.config.num_hidden_layers,
                 "model": "tiny" if layers is None else "hunyuan-mt-7b-width", "params": params,
                 "precision": precision, "zero_stage": zero_stage, "checkpoint_bytes": size,
                 "bytes_per_param": round(size / params, 2), "save_s": round(save_s, 3), "check_s": check_s,
-                "restore_s": round(restore_s, 3), "engine_build_s": round(build_s, 2), "step_s": round(step_s, 3),
+                "restore_s": round(restore_s, 3), "universal_s": round(universal_s, 3),
+                "universal_peak_rss_gib": round(universal_gib, 2), "engine_build_s": round(build_s, 2), "step_s": round(step_s, 3),
                 "step_tokens": tokens, "device": torch.cuda.get_device_name(0) if gpu else "cpu"}
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _universal_conversion(folder: str, tag: str, out: Path) -> tuple[float, float]:
+    """Seconds and peak resident memory (GiB) of ``reshard.convert_to_universal`` in a fresh process with
+    one extracting worker: the peak is that process's own, not this one's (which holds the engine)."""
+    import multiprocessing
+    import resource
+    from concurrent.futures import ProcessPoolExecutor
+
+    from raytrain_hymt.reshard import convert_to_universal
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        seconds = pool.submit(convert_to_universal, folder, tag, out, 1).result()
+    peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # the largest child's peak, in KiB
+    shutil.rmtree(out, ignore_errors=True)
+    return seconds, peak_kib / 2**20
 
 
 def extrapolate(rows: list[dict], target: int) -> dict:
@@ -126,7 +146,9 @@ def extrapolate(rows: list[dict], target: int) -> dict:
     embeddings and head, the same at every depth)."""
     a, b = rows[0], rows[-1]
     out = {"layers": target, "extrapolated_from": [a["layers"], b["layers"]]}
-    for key in ("params", "checkpoint_bytes", "save_s", "restore_s"):
+    # The conversion's peak memory too: its extraction loads one rank's whole optimizer file (fp32
+    # weights and both Adam moments of that rank's share), which grows with the depth.
+    for key in ("params", "checkpoint_bytes", "save_s", "restore_s", "universal_s", "universal_peak_rss_gib"):
         slope = (b[key] - a[key]) / (b["layers"] - a["layers"])
         out[key] = round(a[key] + slope * (target - a["layers"]), 3)
     return out

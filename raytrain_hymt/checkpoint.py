@@ -75,15 +75,17 @@ class ResumeMismatchError(ValueError):
     """A run resumed with a batch shape other than the one it was checkpointed with."""
 
 
-def check_same_shape(state: RunState, world_size: int, global_rows: int, zero_stage: int) -> None:
-    """Refuse to resume with another worker count, global batch or ZeRO stage: the data position (global
-    batches consumed) and the optimizer shards only mean something for the shape they were saved with."""
-    saved = (state.world_size, state.global_rows or global_rows, state.zero_stage)
-    if saved != (world_size, global_rows, zero_stage):
+def check_same_shape(state: RunState, global_rows: int, zero_stage: int) -> None:
+    """Refuse to resume with another global batch or ZeRO stage: the data position counts global batches,
+    and the optimizer states are converted across worker counts (``reshard``), not across stages. Another
+    worker count is fine when the global batch stays (``optim.global_batch_rows``)."""
+    saved = (state.global_rows or global_rows, state.zero_stage)
+    if saved != (global_rows, zero_stage):
         raise ResumeMismatchError(
-            f"this run was checkpointed with {state.world_size} workers, {state.global_rows} rows per step and "
-            f"ZeRO-{state.zero_stage}; now {world_size} workers, {global_rows} rows per step, ZeRO-{zero_stage}. "
-            "Resume with the original scaling.num_workers, optim.micro_batch_size, optim.grad_accum and "
+            f"this run was checkpointed with {state.global_rows} rows per step ({state.world_size} workers) and "
+            f"ZeRO-{state.zero_stage}; now {global_rows} rows per step, ZeRO-{zero_stage}. Set "
+            f"optim.global_batch_rows={state.global_rows} to resume on any worker count (or the original "
+            "scaling.num_workers, optim.micro_batch_size and optim.grad_accum) and the original "
             "deepspeed.zero_stage, or start a new run (another --name)"
         )
 
@@ -229,20 +231,31 @@ def older_checkpoints(fs, path: str) -> list[str]:
     return [p for _, p in sorted(found, reverse=True)]
 
 
-def restore_rank(engine, folder: str, rank: int) -> RunState:
+def restore_rank(engine, folder: str, rank: int, world: int | None = None, local_rank: int = 0, device=None,
+                 where: str | None = None) -> RunState:
     """Load this rank's DeepSpeed shard, scheduler and RNG states from a merged checkpoint folder.
 
     The caller checks the folder first (``check_checkpoint``); a file that is whole in size but not in
-    content still makes DeepSpeed's ``torch.load`` raise here.
+    content still makes DeepSpeed's ``torch.load`` raise here. A checkpoint saved by another worker count
+    than ``world`` (every rank passes it, and ``local_rank``/``device`` for the node's one conversion) is
+    loaded through DeepSpeed's universal form (``reshard``); ``where`` names it in storage.
     """
     with open(Path(folder, STATE_FILE)) as f:
         state = RunState(**json.load(f))
     # A LoRA checkpoint has no frozen weights: those stay as loaded from the base (checked: base_model).
-    load_path, _ = engine.load_checkpoint(folder, tag=state.tag, load_lr_scheduler_states=True,
-                                          load_module_strict=state.base_model is None)
+    strict = state.base_model is None
+    if world is not None and world != state.world_size and state.zero_stage > 0:
+        from raytrain_hymt.reshard import load_resharded
+
+        load_path = load_resharded(engine, folder, state.tag, where or folder, local_rank, device, strict)
+    else:
+        load_path, _ = engine.load_checkpoint(folder, tag=state.tag, load_lr_scheduler_states=True,
+                                              load_module_strict=strict)
     if load_path is None:
         raise IncompleteCheckpointError(f"{folder}: DeepSpeed found no checkpoint under tag {state.tag}")
-    rng = torch.load(Path(folder, "rng", f"rank{rank}.pt"), weights_only=False)
+    # A rank the saving run did not have takes the states of rank (its rank mod the saved count): the
+    # model has no dropout in the tests that compare trajectories, and a real run only needs fresh draws.
+    rng = torch.load(Path(folder, "rng", f"rank{rank % state.world_size}.pt"), weights_only=False)
     random.setstate(rng["python"])
     torch.set_rng_state(rng["torch"])
     if rng["cuda"] is not None and torch.cuda.is_available():

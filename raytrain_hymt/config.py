@@ -64,6 +64,9 @@ class Config(_Section):
                 f"data.pack_tokens ({self.data.pack_tokens}) must be >= data.max_example_tokens "
                 f"({self.data.max_example_tokens}) so every example fits in a packed row"
             )
+        # The worker count the run starts on must divide the global batch (an elastic run checks each
+        # count it gets, in Worker.__init__). ConfigError is a ValueError: pydantic reports it as one.
+        self.optim.accumulation(self.scaling.num_workers)
         return self
 
 

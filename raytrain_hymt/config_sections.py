@@ -10,6 +10,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from raytrain_hymt.errors import ConfigError
+
 
 
 class _Section(BaseModel):
@@ -152,11 +154,43 @@ class OptimConfig(_Section):
     micro_batch_size: int = Field(1, ge=1)
     """Rows per worker per micro-step (a row is a pack of ``data.pack_tokens`` or one padded pair)."""
     grad_accum: int = Field(1, ge=1)
-    """Micro-steps accumulated per optimizer step."""
+    """Micro-steps accumulated per optimizer step. Leave it at 1 when ``global_batch_rows`` is set: the
+    accumulation is then derived from it."""
+    global_batch_rows: int | None = Field(None, ge=1)
+    """Rows (packed rows, or padded pairs without packing) per optimizer step, whatever the worker count:
+    the accumulation is ``global_batch_rows / (scaling.num_workers × micro_batch_size)``, so a run keeps
+    its trajectory on another worker count (resume after losing a node, elastic training). It must be a
+    multiple of workers × micro-batch. None: the global batch is workers × ``grad_accum`` ×
+    ``micro_batch_size``."""
     max_steps: int | None = Field(None, ge=1)
     """Optimizer steps to run; None: ``epochs`` full passes."""
     epochs: int = Field(1, ge=1)
     """Passes over the training data when ``max_steps`` is not set."""
+
+    @model_validator(mode="after")
+    def _check(self) -> OptimConfig:
+        if self.global_batch_rows is not None and self.grad_accum != 1:
+            raise ValueError(
+                f"optim.grad_accum ({self.grad_accum}) and optim.global_batch_rows ({self.global_batch_rows}) are "
+                "both set: with global_batch_rows the accumulation is derived from it; leave optim.grad_accum at 1")
+        return self
+
+    def accumulation(self, workers: int) -> int:
+        """Micro-steps per optimizer step on ``workers`` workers; raises ``ConfigError`` naming the fields
+        when ``global_batch_rows`` does not divide into whole micro-batches of every worker."""
+        if self.global_batch_rows is None:
+            return self.grad_accum
+        per_step = workers * self.micro_batch_size
+        if self.global_batch_rows % per_step:
+            raise ConfigError(
+                f"optim.global_batch_rows ({self.global_batch_rows}) is not a multiple of scaling.num_workers "
+                f"({workers}) × optim.micro_batch_size ({self.micro_batch_size}) = {per_step}: choose a global "
+                "batch that every worker count you train on divides, or another micro-batch")
+        return self.global_batch_rows // per_step
+
+    def rows_per_step(self, workers: int) -> int:
+        """Rows of one global batch on ``workers`` workers (``global_batch_rows`` when set)."""
+        return workers * self.accumulation(workers) * self.micro_batch_size
 
 
 class DeepSpeedConfig(_Section):

@@ -25,8 +25,8 @@ def build_ds_config(cfg: Config, world_size: int, on_gpu: bool) -> dict[str, Any
         zero["offload_param"] = {"device": "cpu", "pin_memory": on_gpu}
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": opt.micro_batch_size,
-        "gradient_accumulation_steps": opt.grad_accum,
-        "train_batch_size": opt.micro_batch_size * opt.grad_accum * world_size,
+        "gradient_accumulation_steps": opt.accumulation(world_size),
+        "train_batch_size": opt.rows_per_step(world_size),
         "gradient_clipping": opt.max_grad_norm,
         "zero_optimization": zero,
         "bf16": {"enabled": ds.precision == "bf16"},

@@ -1,7 +1,8 @@
 """How a global batch divides over ranks and micro-steps, and the sums every rank agrees on.
 
 Every worker reads the whole ordered row stream and takes its own slice of each global batch of
-``world × grad_accum × micro_batch`` rows (``rank_slice``): the same rows form global step k whatever
+``world × accumulation × micro_batch`` rows (``rank_slice``; ``optim.global_batch_rows`` fixes that
+product and the accumulation follows the worker count): the same rows form global step k whatever
 the worker count. The loss of a step is the sum of token losses over the whole global batch divided by
 its target-token count (one all-reduce), so any split over workers and micro-steps gives the same
 gradients.

@@ -36,7 +36,7 @@ TRAJECTORY_FREE: tuple[str, ...] = (
     "tune.",
     "checkpoint.every_steps", "checkpoint.num_to_keep", "checkpoint.max_failures", "checkpoint.async_upload",
     "run.storage_root", "run.export", "run.export_shard_mb", "run.allow_config_change", "run.name",
-    "scaling.use_gpu", "scaling.cpus_per_worker", "scaling.local_num_cpus", "scaling.env.",
+    "scaling.num_workers", "scaling.use_gpu", "scaling.cpus_per_worker", "scaling.local_num_cpus", "scaling.env.",
     "data.tokenize_actors", "data.tokenize_batch_size", "data.max_val_examples",
     "model.compile", "model.fused_loss", "model.attn_implementation",
     "deepspeed.activation_checkpointing", "deepspeed.overlap_comm", "deepspeed.reduce_bucket_size",
@@ -77,7 +77,21 @@ def check_resume(saved: dict, new: dict) -> list[Difference]:
         if old != now:
             trajectory = changes_trajectory(field) and not (field == "data.sources" and _moved_only(old, now))
             diffs.append(Difference(field, old, now, trajectory))
+    # The worker count may change (a run continues on the nodes it has), the global batch may not: without
+    # optim.global_batch_rows it is workers × accumulation × micro-batch, so a new count changes it.
+    rows = [_rows_per_step({**defaults, **flat}) for flat in (before, after)]
+    if rows[0] != rows[1]:
+        diffs.append(Difference(ROWS_PER_STEP, rows[0], rows[1], True))
     return diffs
+
+
+#: The name a changed global batch is reported under (not a config field: it is derived from several).
+ROWS_PER_STEP = "global batch (rows per optimizer step)"
+
+
+def _rows_per_step(flat: dict) -> int:
+    fixed = flat.get("optim.global_batch_rows")
+    return fixed or flat["scaling.num_workers"] * flat["optim.grad_accum"] * flat["optim.micro_batch_size"]
 
 
 def _moved_only(old: Any, now: Any) -> bool:
@@ -126,7 +140,7 @@ def current_config(first: dict, changes: str | None) -> dict:
     current = flatten(first)
     for line in (changes or "").splitlines():
         for change in json.loads(line)["changes"]:
-            if change["field"] in current or change["after"] != _ABSENT:
+            if change["field"] != ROWS_PER_STEP and (change["field"] in current or change["after"] != _ABSENT):
                 current[change["field"]] = change["after"]
     return current
 

@@ -95,8 +95,8 @@ def planned_steps(cfg: Config, train_rows: int) -> int:
     from raytrain_hymt.ranks import steps_per_epoch
 
     o = cfg.optim
-    return o.max_steps or o.epochs * steps_per_epoch(train_rows, cfg.scaling.num_workers, o.grad_accum,
-                                                      o.micro_batch_size)
+    workers = cfg.scaling.num_workers
+    return o.max_steps or o.epochs * steps_per_epoch(train_rows, workers, o.accumulation(workers), o.micro_batch_size)
 
 
 @dataclass

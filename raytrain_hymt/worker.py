@@ -85,14 +85,17 @@ class Worker:
         self.device = _setup_environment(self.cfg.scaling.use_gpu)
         self.rank, self.world = rank, world
         opt = self.cfg.optim
-        self.per_epoch = steps_per_epoch(inputs.train_rows, self.world, opt.grad_accum, opt.micro_batch_size)
+        # Derived from the worker count Ray gave this attempt: optim.global_batch_rows keeps the global
+        # batch whatever that count is (a ConfigError when it does not divide).
+        self.accum = opt.accumulation(world)
+        self.per_epoch = steps_per_epoch(inputs.train_rows, self.world, self.accum, opt.micro_batch_size)
         if self.per_epoch == 0:
             raise ValueError(
                 f"{inputs.train_rows} training rows are fewer than one global batch "
-                f"({self.world} workers × {opt.grad_accum} accumulation × {opt.micro_batch_size} rows)"
+                f"({self.world} workers × {self.accum} accumulation × {opt.micro_batch_size} rows)"
             )
         self.total_steps = opt.max_steps or opt.epochs * self.per_epoch
-        self.global_rows = self.world * opt.grad_accum * opt.micro_batch_size
+        self.global_rows = self.world * self.accum * opt.micro_batch_size
 
     def build(self) -> None:
         from raytrain_hymt.checkpoint import base_identity
@@ -176,14 +179,15 @@ class Worker:
                 if self.rank == 0:
                     log.warning("not resuming from %s", e)
                 continue
-            check_same_shape(saved, self.world, self.global_rows, self.cfg.deepspeed.zero_stage)
+            check_same_shape(saved, self.global_rows, self.cfg.deepspeed.zero_stage)
             if self.base_model is not None:
                 check_base_model(saved.base_model, f"resuming from {path}", self.cfg.model.name_or_path,
                                  self.cfg.run.seed)
             error = None
             try:
                 with ray.train.Checkpoint(path, filesystem=fs).as_directory() as folder:
-                    state = restore_rank(self.engine, folder, self.rank)
+                    state = restore_rank(self.engine, folder, self.rank, self.world,
+                                         ray.train.get_context().get_local_rank(), self.device, where=path)
             except Exception as e:  # noqa: BLE001 - a shard whole in size but not in content
                 from raytrain_hymt.checkpoint import unreadable_file
 
@@ -210,7 +214,7 @@ class Worker:
         opt = self.cfg.optim
         t0 = time.perf_counter()
         micro = [self.collate(rank_slice(global_batch, a, self.rank, self.world, opt.micro_batch_size))
-                 for a in range(opt.grad_accum)]
+                 for a in range(self.accum)]
         local_targets = float(sum(int(m["num_target_tokens"]) for m in micro))
         local_tokens = float(sum(int(s.sum()) for m in micro for s in m["seq_lens"]))
         # FLOPs are linear in the documents, so the global count is the sum of every rank's own.

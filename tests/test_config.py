@@ -80,3 +80,28 @@ def test_storage_path_is_absolute(tmp_path, monkeypatch):
     cfg = load_config()
     assert cfg.run.storage_path == str(tmp_path / "hymt_runs")
     assert flatten({"a": {"b": 1, "c": [1]}}) == {"a.b": 1, "a.c": [1]}
+
+
+def test_global_batch_rows_fixes_the_global_batch_on_any_worker_count():
+    from raytrain_hymt.engine import build_ds_config
+
+    cfg = load_config(None, ["optim.global_batch_rows=8", "optim.micro_batch_size=2", "scaling.num_workers=2"])
+    opt = cfg.optim
+    assert [(w, opt.accumulation(w), opt.rows_per_step(w)) for w in (1, 2, 4)] == [(1, 4, 8), (2, 2, 8), (4, 1, 8)]
+    ds = build_ds_config(cfg, 4, False)
+    assert (ds["train_batch_size"], ds["gradient_accumulation_steps"], ds["train_micro_batch_size_per_gpu"]) == (8, 1, 2)
+    # Unset, the global batch follows the worker count (the default job's shape: 2 × 1 × 2).
+    default = load_config().optim
+    assert default.global_batch_rows is None and [default.rows_per_step(w) for w in (1, 2)] == [2, 4]
+
+
+def test_a_global_batch_that_does_not_divide_names_the_fields():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["optim.global_batch_rows=6", "optim.micro_batch_size=2", "scaling.num_workers=2"])
+    assert ("optim.global_batch_rows (6) is not a multiple of scaling.num_workers (2) × optim.micro_batch_size (2) "
+            "= 4") in str(e.value)
+    opt = load_config(None, ["optim.global_batch_rows=8", "optim.micro_batch_size=2"]).optim
+    with pytest.raises(ConfigError, match=r"scaling.num_workers \(3\) × optim.micro_batch_size \(2\) = 6"):
+        opt.accumulation(3)  # what a worker group of another size (elastic, resume) is told
+    with pytest.raises(ConfigError, match=r"optim.grad_accum \(2\) and optim.global_batch_rows \(8\) are both set"):
+        load_config(None, ["optim.global_batch_rows=8", "optim.grad_accum=2"])

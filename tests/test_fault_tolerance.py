@@ -228,3 +228,57 @@ def test_worker_node_lost_on_two_node_cluster(reference, tmp_path):
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == STEPS
     assert (run_dir / "config.yaml").exists() and (run_dir / "model" / "config.json").exists()
     assert summary["model_dir"] == f"{storage}/twonode/model"
+
+
+def _per_step(by_rank: dict[int, dict[int, dict]]) -> dict[int, dict]:
+    """Step → the loss (global), the weight sum and the sorted example ids of every rank together, from
+    ``{rank: effective records}``."""
+    steps: dict[int, dict] = {}
+    for run in by_rank.values():
+        for step, r in run.items():
+            s = steps.setdefault(step, {"loss": r["loss"], "weight_sum": r["weight_sum"], "example_ids": []})
+            s["example_ids"] = sorted(s["example_ids"] + r["example_ids"])
+    return steps
+
+
+def _recorded(folder: Path, ranks: int) -> dict[int, dict]:
+    return _per_step({rank: effective(read_records(folder, rank)) for rank in range(ranks)})
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("before,after,micro", [(2, 1, 2), (4, 2, 1)], ids=["2to1", "4to2"])
+def test_resume_on_another_worker_count_continues_the_trajectory(reference, tmp_path, monkeypatch, before, after, micro):
+    """``optim.global_batch_rows=4`` (the reference's 2 workers × 2 rows): the first submission trains on
+    ``before`` workers until rank 0 raises before step 6 (no retries: the job fails); the second runs on
+    ``after`` workers, loads checkpoint 4 through DeepSpeed's universal form and trains steps 5-10. Every
+    step's loss and weights are the uninterrupted reference's, and so are the example ids per step."""
+    storage = str(tmp_path / "runs")
+    fixed = {"optim.global_batch_rows": 4, "optim.micro_batch_size": micro, "checkpoint.max_failures": 0}
+    _faults(monkeypatch, tmp_path / "record1", {"kind": "raise", "rank": 0, "step": 6})
+    with pytest.raises(Exception, match="injected failure on rank 0 at step 6"):
+        run_training(load_config(None, overrides(storage, "reshard", **fixed, **{"scaling.num_workers": before})))
+    assert sorted(_recorded(tmp_path / "record1", before)) == [1, 2, 3, 4, 5]
+    _faults(monkeypatch, tmp_path / "record2")
+    summary = run_training(load_config(None, overrides(storage, "reshard", **fixed, **{"scaling.num_workers": after})))
+    assert summary.steps == STEPS
+    resumed = _recorded(tmp_path / "record2", after)
+    assert sorted(resumed) == list(range(5, STEPS + 1))  # from checkpoint 4, on the new worker count
+    run, want = {**_recorded(tmp_path / "record1", before), **resumed}, _per_step(reference["effective"])
+    for step in range(1, STEPS + 1):
+        got, ref = run[step], want[step]
+        assert got["example_ids"] == ref["example_ids"], step
+        if math.isnan(ref["loss"]):
+            assert math.isnan(got["loss"]) and step == NAN_STEP
+        else:
+            assert got["loss"] == pytest.approx(ref["loss"], abs=1e-5), step
+        # Another worker count reduces the same gradients in another order, and micro-batch 1 pads rows
+        # otherwise than 2: the sum of 1.8 M fp32 weights rounds differently (2 → 1: 1.05e-5 of 1471 at
+        # step 10; 4 × 1 row: 2.9e-5 of 1388 at step 4, before any resume, 1.5e-4 of 1462 at step 9).
+        assert got["weight_sum"] == pytest.approx(ref["weight_sum"], rel=1e-6), step
+    # ... while each applied step moves it by far more, so a lost Adam state or a wrong partition would show.
+    moves = [abs(want[s]["weight_sum"] - want[s - 1]["weight_sum"]) for s in range(2, STEPS + 1) if s != NAN_STEP]
+    assert min(moves) > 10 * 1e-6 * max(r["weight_sum"] for r in want.values()), moves
+    state = _final_state(tmp_path / "runs" / "reshard")
+    assert (state["world_size"], state["global_rows"], state["skipped_steps"]) == (after, 4, 1)
+    changes = (tmp_path / "runs" / "reshard" / "config-changes.jsonl").read_text()
+    assert '"field": "scaling.num_workers"' in changes and '"allowed": false' in changes

@@ -33,7 +33,8 @@ from raytrain_hymt.data.preflight import check_inputs, model_problem, nearest_la
 from raytrain_hymt.data.readers import read_line_tables, tatoeba_parser
 from raytrain_hymt.data.files import file_name
 from raytrain_hymt.errors import describe_failure
-from raytrain_hymt.resume import CHANGES_FILE, TRAJECTORY_FREE, changes_trajectory, check_resume, keep_first_config
+from raytrain_hymt.resume import (CHANGES_FILE, TRAJECTORY_FREE, changes_trajectory, check_resume, enforce,
+                                  keep_first_config)
 from raytrain_hymt.storage import RunFolder
 
 HUNYUAN_CODES = ("Hunyuan-MT's codes: zh, en, fr, pt, es, ja, tr, ru, ar, ko, th, it, de, vi, ms, id, tl, hi, "
@@ -371,11 +372,27 @@ def test_what_may_change_on_resume_is_an_explicit_list():
     assert all(any(f == free.rstrip(".") or f.startswith(free) for f in fields) for free in TRAJECTORY_FREE)
     assert not changes_trajectory("tune")  # unset: one None value
     for field in ("data.sources", "data.seed", "model.name_or_path", "optim.lr", "optim.max_steps",
-                  "optim.schedule", "optim.micro_batch_size", "optim.grad_accum", "scaling.num_workers",
+                  "optim.schedule", "optim.micro_batch_size", "optim.grad_accum", "optim.global_batch_rows",
                   "deepspeed.zero_stage", "deepspeed.precision", "lora.rank", "run.seed", "data.pack_tokens"):
         assert changes_trajectory(field), field
-    for field in ("tracking.log_every_steps", "eval.every_steps", "checkpoint.max_failures", "tracking.experiment"):
+    for field in ("tracking.log_every_steps", "eval.every_steps", "checkpoint.max_failures", "tracking.experiment",
+                  "scaling.num_workers"):
         assert not changes_trajectory(field), field
+
+
+def test_another_worker_count_resumes_only_with_the_same_global_batch():
+    """A run may continue on another worker count (#16) as long as its global batch stays: fixed by
+    optim.global_batch_rows, or by a micro-batch × accumulation that makes up for the new count."""
+    saved = load_config(None, ["optim.global_batch_rows=4"]).model_dump(mode="json")
+    fewer = load_config(None, ["optim.global_batch_rows=4", "scaling.num_workers=1"]).model_dump(mode="json")
+    assert [(d.field, d.trajectory) for d in check_resume(saved, fewer)] == [("scaling.num_workers", False)]
+    # Without global_batch_rows, 1 worker × 1 × 2 rows is half the default job's 2 × 1 × 2.
+    plain = load_config(None, ["scaling.num_workers=1"]).model_dump(mode="json")
+    diffs = check_resume(load_config(None).model_dump(mode="json"), plain)
+    assert [(d.field, d.before, d.after, d.trajectory) for d in diffs] == [
+        ("scaling.num_workers", 2, 1, False), ("global batch (rows per optimizer step)", 4, 2, True)]
+    with pytest.raises(ConfigError, match=r"global batch \(rows per optimizer step\): 4 -> 2"):
+        enforce(diffs, "r", allow=False)
 
 
 def test_check_resume_lists_each_differing_field():
