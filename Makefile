@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	@[ -x $(BIN)/python ] || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[test]'
-	DS_ACCELERATOR=cpu $(BIN)/python -m raytrain_hymt.ops
+	DS_ACCELERATOR=cpu $(BIN)/python scripts/build_ds_ops.py
 	@touch $(STAMP)
 
 train: install

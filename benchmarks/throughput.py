@@ -1,4 +1,4 @@
-"""GPU throughput benchmark: the project's own training step (``train_loop.Worker``) on random-init
+"""GPU throughput benchmark: the project's own training step (``worker.Worker``) on random-init
 models, fed by the project's Ray Data pipeline, under TorchTrainer or under plain torchrun.
 
 A *case* is a name plus ``--set``-style overrides on top of the benchmark's base config (:func:`base_overrides`).
@@ -167,7 +167,7 @@ def markdown_table(results: list[dict]) -> str:
 
 
 class StandInContext:
-    """What ``Worker`` asks of ``ray.train.get_context()``, from torch.distributed (torchrun mode)."""
+    """The rank and world size ``ray.train.get_context()`` gives, from torch.distributed (torchrun mode)."""
 
     def get_world_rank(self) -> int:
         import torch.distributed as dist
@@ -195,11 +195,15 @@ def bench_loop(loop_config: dict, context=None, shard=None) -> None:
     import torch
     import torch.distributed as dist
 
-    from raytrain_hymt.train_loop import LoopInputs, Worker
+    from raytrain_hymt.worker import LoopInputs, Worker
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     bench = loop_config.pop("bench")
-    w = Worker(LoopInputs(**loop_config), context=context)
+    if context is None:
+        import ray.train
+
+        context = ray.train.get_context()
+    w = Worker(LoopInputs(**loop_config), context.get_world_rank(), context.get_world_size())
     t_build = time.perf_counter()
     w.build()
     build_s = time.perf_counter() - t_build
@@ -262,7 +266,7 @@ def _padded_tokens(cfg, global_batch: dict) -> float:
 
 
 def _torchrun_worker(spec_path: str) -> None:
-    """Entry of one torchrun rank (``python -m torch.distributed.run ... -m raytrain_hymt.bench SPEC``)."""
+    """Entry of one torchrun rank (``python -m torch.distributed.run ... -m benchmarks.throughput SPEC``)."""
     import torch
     import torch.distributed as dist
 
@@ -288,7 +292,8 @@ def model_folder(shape: str, layers: int, tied: bool, workdir: Path, use_gpu: bo
     loads a real one (a model built from its config would train in train mode and hide what a loaded one
     does): ``folder`` when given and present, else a random-init one written once (the tiny shape, or the
     Hunyuan-7B shape with ``layers`` layers, in bf16) to ``folder`` or under ``workdir``."""
-    from raytrain_hymt.model import RANDOM_PREFIX, TINY_MODEL, hunyuan_7b_config, load_model, load_tokenizer
+    from raytrain_hymt.model import hunyuan_7b_config, load_model
+    from raytrain_hymt.tokenizer import RANDOM_PREFIX, TINY_MODEL, load_tokenizer
 
     if shape not in ("7b", "tiny"):
         raise ValueError(f"--shape {shape!r}: expected 7b or tiny")
@@ -341,9 +346,9 @@ def _slug(text: str) -> str:
 
 
 def _run_ray(cfg, train, val, loop_inputs: dict) -> None:
-    from raytrain_hymt.trainer import _trainer
+    from raytrain_hymt.trainer import build_trainer
 
-    _trainer(cfg, train, val, loop_inputs, loop=bench_loop).fit()
+    build_trainer(cfg, train, val, loop_inputs, loop=bench_loop).fit()
 
 
 def _run_torchrun(cfg, train, loop_inputs: dict, workdir: Path, global_rows: int, count: int) -> None:
@@ -361,7 +366,7 @@ def _run_torchrun(cfg, train, loop_inputs: dict, workdir: Path, global_rows: int
     spec_path.write_text(json.dumps({"use_gpu": cfg.scaling.use_gpu, "batches_path": str(batches_path),
                                      "loop_config": loop_inputs}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cfg.scaling.num_workers}",
-           "-m", "raytrain_hymt.bench", str(spec_path)]
+           "-m", "benchmarks.throughput", str(spec_path)]
     env = dict(os.environ)
     repo = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (repo, env.get("PYTHONPATH")) if p)
@@ -376,7 +381,7 @@ def run_benchmark(case_specs: list[str], *, shape: str = "7b", layers: int = 32,
     """Run every case in turn; append one JSON line per case to ``<out_dir>/results.jsonl`` and write
     ``<out_dir>/table.md``. A failing case (e.g. out of memory) is recorded with its error; the rest run."""
     from raytrain_hymt.config import load_config
-    from raytrain_hymt.trainer import init_ray
+    from raytrain_hymt.session import init_ray
 
     cases = [parse_case(s) for s in case_specs]
     out = Path(out_dir).resolve()
@@ -441,7 +446,8 @@ def document_mask_check(device: str = "cuda", attn_implementation: str = "flex_a
     import torch
 
     from raytrain_hymt.data.packing import collate, pack_examples
-    from raytrain_hymt.model import load_model, load_tokenizer
+    from raytrain_hymt.model import load_model
+    from raytrain_hymt.tokenizer import load_tokenizer
 
     tok = load_tokenizer("tiny")
     model = load_model("tiny", tok, dtype=torch.float32, attn_implementation=attn_implementation).to(device).eval()

@@ -25,7 +25,8 @@ import torch
 def save_model_folder(folder: Path, layers: int | None, gpu: bool) -> int:
     """Write a random-init model folder (``layers`` of the 7B shape, untied like Hunyuan-MT-7B; None: the
     tiny model) in bf16; returns its parameter count."""
-    from raytrain_hymt.model import RANDOM_PREFIX, hunyuan_7b_config, load_model, load_tokenizer
+    from raytrain_hymt.model import hunyuan_7b_config, load_model
+    from raytrain_hymt.tokenizer import RANDOM_PREFIX, load_tokenizer
 
     tokenizer = load_tokenizer("tiny")
     if layers is None:
@@ -89,7 +90,8 @@ def _rank(rank: int, world: int, port: int, folder: str, partitioned: bool, gpu:
     dist.init_process_group("nccl" if gpu else "gloo", rank=rank, world_size=world)
     from raytrain_hymt.config import load_config
     from raytrain_hymt.engine import build_ds_config, initialize_engine
-    from raytrain_hymt.model import load_model, load_tokenizer
+    from raytrain_hymt.model import load_model
+    from raytrain_hymt.tokenizer import load_tokenizer
 
     cfg = load_config(None, ["deepspeed.zero_stage=3", "deepspeed.precision=bf16", f"model.name_or_path={folder}",
                              f"scaling.num_workers={world}", f"scaling.use_gpu={str(gpu).lower()}"])

@@ -45,7 +45,8 @@ def _init_process_group(gpu: bool) -> None:
 
 
 def _model(layers: int | None, gpu: bool, dtype, folder: Path, tied: bool):
-    from raytrain_hymt.model import RANDOM_PREFIX, hunyuan_7b_config, load_model, load_tokenizer
+    from raytrain_hymt.model import hunyuan_7b_config, load_model
+    from raytrain_hymt.tokenizer import RANDOM_PREFIX, load_tokenizer
 
     tokenizer = load_tokenizer("tiny")
     if layers is None:
@@ -150,7 +151,7 @@ def main(argv=None) -> int:
     rows = [measure(n, args.gpu, precision, args.zero_stage, tokens, args.tied) for n in (args.layers or [None])]
     if args.layers and len(args.layers) >= 2:
         rows.append(extrapolate(rows, args.target_layers))
-    from raytrain_hymt.bench import print_json_lines
+    from benchmarks.throughput import print_json_lines
 
     print_json_lines(rows, args.out)
     return 0

@@ -139,7 +139,8 @@ class MemorySampler:
 
 
 def _config(path: Path, actors: int):
-    from raytrain_hymt.config import SourceConfig, load_config
+    from raytrain_hymt.config import load_config
+    from raytrain_hymt.config_sections import SourceConfig
 
     cfg = load_config(None, [f"data.tokenize_actors={actors}"])
     cfg.data.sources = [SourceConfig(path=str(path), format="tatoeba")]
@@ -150,7 +151,7 @@ def run_ray(path: Path, out: Path, actors: int) -> dict:
     """``prepare_dataset`` on a fresh local Ray: seconds, counts, peak memory."""
     import ray
 
-    from raytrain_hymt.data.prepare import prepare_dataset
+    from raytrain_hymt.prepare import prepare_dataset
     from raytrain_hymt.quiet import quiet_ray
 
     quiet_ray()

@@ -91,7 +91,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from raytrain_hymt.bench import SAFE_GPU_ENV, model_folder
+    from benchmarks.throughput import SAFE_GPU_ENV, model_folder
 
     os.environ.update({k: v for k, v in SAFE_GPU_ENV.items() if k not in os.environ})
     gpu = torch.cuda.is_available()

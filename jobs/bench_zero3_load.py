@@ -3,7 +3,7 @@
     python jobs/bench_zero3_load.py                                 # tiny model, 2 CPU processes (gloo)
     python3 jobs/bench_zero3_load.py --gpu --layers 32 --world 2    # Hunyuan-MT-7B shape (8.03 B), 2 GPUs
 
-Prints one JSON line per rank and way of loading (logic: ``raytrain_hymt/bench_load.py``).
+Prints one JSON line per rank and way of loading (logic: ``benchmarks/zero3_load.py``).
 """
 
 import argparse
@@ -12,8 +12,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from raytrain_hymt.bench import print_json_lines  # noqa: E402
-from raytrain_hymt.bench_load import measure  # noqa: E402
+from benchmarks.throughput import print_json_lines  # noqa: E402
+from benchmarks.zero3_load import measure  # noqa: E402
 
 
 def main() -> int:

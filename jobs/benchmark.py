@@ -1,4 +1,4 @@
-"""GPU throughput benchmark of the project's own training step (raytrain_hymt.bench).
+"""GPU throughput benchmark of the project's own training step (benchmarks.throughput).
 
     python jobs/benchmark.py --layers 32 --case tutorial-zero3 --case z2-flex-liger-compile-8k-a8 \
         --case z2-flex-liger-compile-8k-a8@torchrun --out bench_out
@@ -18,7 +18,7 @@ from pathlib import Path
 # Under `ray job submit` the working dir is the repo but the package may not be installed there.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from raytrain_hymt.bench import CASES, document_mask_check, markdown_table, run_benchmark  # noqa: E402
+from benchmarks.throughput import CASES, document_mask_check, markdown_table, run_benchmark  # noqa: E402
 
 
 def main(argv=None) -> int:

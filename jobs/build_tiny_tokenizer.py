@@ -4,7 +4,7 @@ Run once by maintainers; the result is committed so every machine gets the same 
     python jobs/build_tiny_tokenizer.py
 """
 
-from raytrain_hymt.model import TINY_TOKENIZER_DIR, build_tiny_tokenizer
+from raytrain_hymt.tokenizer import TINY_TOKENIZER_DIR, build_tiny_tokenizer
 from raytrain_hymt.sample import SAMPLE_CORPUS
 
 

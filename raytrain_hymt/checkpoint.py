@@ -266,7 +266,7 @@ def base_identity(name_or_path: str, seed: int) -> dict:
     lists every tensor's name, shape and offsets). The tiny model: its seed. A hub id: its name only
     (resolving a revision needs the network).
     """
-    from raytrain_hymt.model import TINY_MODEL
+    from raytrain_hymt.tokenizer import TINY_MODEL
 
     if name_or_path == TINY_MODEL:
         return {"name_or_path": TINY_MODEL, "seed": seed}

@@ -7,7 +7,9 @@ import logging
 import os
 import sys
 
-from raytrain_hymt.config import ConfigError, load_config, run_name_problem
+from raytrain_hymt.config import load_config
+from raytrain_hymt.config_run import run_name_problem
+from raytrain_hymt.errors import ConfigError
 
 log = logging.getLogger("raytrain_hymt")
 
@@ -29,7 +31,8 @@ def _load(args) -> object:
 
 def cmd_train(args) -> int:
     """Train (or resume) a run and print where its results are."""
-    from raytrain_hymt.trainer import finished_summary, run_training
+    from raytrain_hymt.trainer import run_training
+    from raytrain_hymt.runs import finished_summary
 
     cfg = _load(args)
     done = finished_summary(cfg)
@@ -44,7 +47,7 @@ def cmd_train(args) -> int:
 
 def cmd_prepare(args) -> int:
     """Run the data pipeline once and write training-ready rows to Parquet."""
-    from raytrain_hymt.data.prepare import prepare_dataset
+    from raytrain_hymt.prepare import prepare_dataset
     from raytrain_hymt.data.preflight import check_inputs
 
     cfg = _load(args)

@@ -9,6 +9,7 @@ tests/test_config_docs.py fails while docs/configuration.md differs from this ou
 
 from __future__ import annotations
 
+import re
 import sys
 import typing
 
@@ -22,7 +23,7 @@ REGENERATE = "python -m raytrain_hymt.config_docs > docs/configuration.md"
 
 def _type_name(annotation) -> str:
     text = repr(annotation) if typing.get_origin(annotation) else getattr(annotation, "__name__", repr(annotation))
-    return text.replace("typing.", "").replace("raytrain_hymt.config.", "").replace("NoneType", "None")
+    return re.sub(r"raytrain_hymt\.\w+\.", "", text.replace("typing.", "")).replace("NoneType", "None")
 
 
 def _default(field) -> str:
@@ -70,7 +71,7 @@ def _table(prefix: str, model: type[BaseModel]) -> list[str]:
 def render() -> str:
     """docs/configuration.md's text."""
     head = ["# Configuration reference", "",
-            f"Generated from `raytrain_hymt/config.py` by `{REGENERATE}`; do not edit by hand. Presets",
+            f"Generated from `raytrain_hymt/config*.py` by `{REGENERATE}`; do not edit by hand. Presets",
             "(`raytrain_hymt/presets/*.yaml`) set some of these fields; `--set SECTION.FIELD=VALUE` overrides any.", ""]
     return "\n".join(head + _table("", Config)).rstrip("\n") + "\n"
 

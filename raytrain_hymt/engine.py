@@ -7,7 +7,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from raytrain_hymt.config import Config, ConfigError, LoraConfig
+from raytrain_hymt.config import Config, LoraConfig
+from raytrain_hymt.errors import ConfigError
 
 def build_ds_config(cfg: Config, world_size: int, on_gpu: bool) -> dict[str, Any]:
     """The DeepSpeed config for ``cfg`` on ``world_size`` workers, merged with the user's JSON if given."""
@@ -129,32 +130,4 @@ def initialize_engine(model, cfg: Config, world_size: int, total_steps: int, on_
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=params, config=ds_config, lr_scheduler=scheduler
     )
-    if cfg.deepspeed.zero_stage == 0 and cfg.deepspeed.precision == "fp32":
-        _record_fp32_grad_norm(engine)
     return engine, ds_config
-
-
-def _record_fp32_grad_norm(engine) -> None:
-    """Make ZeRO-0 in fp32 report an exact gradient norm, as the ZeRO stages do.
-
-    There DeepSpeed clips with a function that drops the norm it computed (``get_global_grad_norm()``
-    stays None), and that norm sums in fp32 per tensor: on CPU it was off by ~1e-4 relative for the
-    tiny model's output head. This clips the same way (scale by ``max / (norm + 1e-6)`` when above
-    ``max``) with the norm summed in fp64, and keeps it. Gradients are already averaged over ranks
-    here, so every rank computes the same norm. With clipping off DeepSpeed computes no norm at all.
-    """
-    import torch
-
-    def clip_and_record():
-        grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
-        if not grads:  # train_loop dropped the gradients of a non-finite step: the update is skipped
-            engine._global_grad_norm = float("inf")
-            return
-        norm = float(torch.stack([g.detach().double().pow(2).sum() for g in grads]).sum().sqrt())
-        coef = min(1.0, engine.gradient_clipping() / (norm + 1e-6))
-        if coef < 1.0:
-            for g in grads:
-                g.mul_(coef)
-        engine._global_grad_norm = norm
-
-    engine.clip_fp32_gradients = clip_and_record

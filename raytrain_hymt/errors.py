@@ -3,6 +3,15 @@
 from __future__ import annotations
 
 
+class ConfigError(ValueError):
+    """A configuration problem, with the offending field in the message."""
+
+
+
+class DataSourceError(ValueError):
+    """A corpus that cannot be read: missing files, mismatched Moses files, unknown columns."""
+
+
 class NonFiniteError(FloatingPointError):
     """A training step produced a non-finite loss or gradient norm (``checkpoint.on_nonfinite: fail``)."""
 

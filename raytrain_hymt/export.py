@@ -331,7 +331,8 @@ def _checkpoint_tensors(folder: Path, tag: str, zero_stage: int) -> Iterator[tup
 def base_tensors(name_or_path: str, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
     """The weights of a base model one tensor at a time: a folder's (or cached hub id's) safetensors, or
     the tiny model rebuilt from its seed."""
-    from raytrain_hymt.model import TINY_MODEL, load_model, load_tokenizer
+    from raytrain_hymt.model import load_model
+    from raytrain_hymt.tokenizer import TINY_MODEL, load_tokenizer
 
     if name_or_path == TINY_MODEL:
         model = load_model(TINY_MODEL, load_tokenizer(TINY_MODEL), seed=seed)

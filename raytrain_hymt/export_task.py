@@ -43,7 +43,7 @@ def export_stored_checkpoint(checkpoint: str, out: str, max_shard_mb: int = 5000
 
     from raytrain_hymt.config import Config
     from raytrain_hymt.storage import is_uri
-    from raytrain_hymt.trainer import init_ray
+    from raytrain_hymt.session import init_ray
 
     def absolute(p: str | None) -> str | None:
         return p if p is None or is_uri(p) else os.path.abspath(os.path.expanduser(p))

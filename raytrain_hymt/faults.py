@@ -29,7 +29,7 @@ from pathlib import Path
 
 FAULTS_ENV = "HYMT_FAULTS"
 RECORD_ENV = "HYMT_RECORD_DIR"
-#: Environment variables the driver passes on to the workers (trainer._trainer).
+#: Environment variables the driver passes on to the workers (trainer.build_trainer).
 FORWARDED_ENV = (FAULTS_ENV, RECORD_ENV)
 
 

@@ -14,6 +14,8 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 
+from raytrain_hymt.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class Language:
@@ -232,3 +234,17 @@ def uses_chinese_template(src_code: str, tgt_code: str) -> bool:
     Takes canonical codes or any label :func:`resolve` accepts.
     """
     return resolve(src_code).code in CHINESE_TEMPLATE_CODES or resolve(tgt_code).code in CHINESE_TEMPLATE_CODES
+
+
+def parse_direction(text: str) -> tuple[str, str]:
+    """``"en-zh"`` → ``("en", "zh")``; codes with a dash of their own work too (``"zh-Hant-en"``).
+
+    Raises ConfigError when no split (or more than one) gives two Hunyuan-MT languages.
+    """
+    parts = text.split("-")
+    splits = [("-".join(parts[:i]), "-".join(parts[i:])) for i in range(1, len(parts))]
+    valid = [(resolve(a).code, resolve(b).code) for a, b in splits if is_supported(a) and is_supported(b)]
+    if len(valid) != 1:
+        why = "is ambiguous" if valid else "does not name two Hunyuan-MT languages"
+        raise ConfigError(f"eval.directions: {text!r} {why}; write <source>-<target>, e.g. en-zh or zh-Hant-en")
+    return valid[0]

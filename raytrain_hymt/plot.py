@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from raytrain_hymt.config import ConfigError
+from raytrain_hymt.errors import ConfigError
 
 #: (panel title, y label, the metric keys it draws: exact names, or a ``*/suffix`` pattern).
 PANELS = (
@@ -53,7 +53,7 @@ def read_metrics_jsonl(path: Path) -> Series:
 def read_run(storage_root: str, name: str) -> Series:
     """The metrics of run ``name`` under ``storage_root``: its metrics.jsonl, else its MLflow run."""
     from raytrain_hymt.storage import RunFolder
-    from raytrain_hymt.trainer import RUN_FILE
+    from raytrain_hymt.runs import RUN_FILE
 
     folder = RunFolder(storage_root, name, create=False)
     local = folder.local / "metrics.jsonl"

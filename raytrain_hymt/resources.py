@@ -10,13 +10,14 @@ from __future__ import annotations
 import logging
 from collections import Counter
 
-from raytrain_hymt.config import Config, ConfigError
+from raytrain_hymt.config import Config
+from raytrain_hymt.errors import ConfigError
 
 log = logging.getLogger("raytrain_hymt")
 
 
 def worker_resources(cfg: Config) -> dict[str, float]:
-    """Logical resources one training worker reserves (as ``_trainer``'s ScalingConfig asks for them)."""
+    """Logical resources one training worker reserves (as ``trainer.build_trainer``'s ScalingConfig asks for them)."""
     need = {"CPU": float(cfg.scaling.cpus_per_worker)}
     if cfg.scaling.use_gpu:
         need["GPU"] = 1.0

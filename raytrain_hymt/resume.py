@@ -3,7 +3,7 @@
 The run's first ``config.yaml`` is kept. A re-submission is compared with it field by field
 (:func:`check_resume`); a difference in a field that changes the training trajectory (data, model,
 optimizer, schedule, batch: every field not in :data:`TRAJECTORY_FREE`) stops the run with one
-:class:`~raytrain_hymt.config.ConfigError` naming the fields, unless ``run.allow_config_change`` is set.
+:class:`~raytrain_hymt.errors.ConfigError` naming the fields, unless ``run.allow_config_change`` is set.
 Every difference, allowed or not, is recorded in ``<run>/config-changes.jsonl``. Other comparisons (the
 data fingerprint) plug in by adding their own :class:`Difference` to the list given to :func:`enforce`.
 """
@@ -18,7 +18,8 @@ from typing import Any
 
 import yaml
 
-from raytrain_hymt.config import Config, ConfigError, flatten, to_yaml
+from raytrain_hymt.config import Config, flatten, to_yaml
+from raytrain_hymt.errors import ConfigError
 
 log = logging.getLogger("raytrain_hymt")
 

@@ -27,7 +27,7 @@ class TrainingSample:
     """The fixed sample and how to translate and score it with the training engine's model."""
 
     def __init__(self, cfg, tokenizer, rank: int, run_dir: str):
-        from raytrain_hymt.evaluate import load_test_set, plan_rows
+        from raytrain_hymt.testsets import load_test_set, plan_rows
 
         e = cfg.eval
         self.test_set = load_test_set(e.test_set)
@@ -46,7 +46,7 @@ class TrainingSample:
         metrics on rank 0, ``{}`` elsewhere."""
         import torch.distributed as dist
 
-        from raytrain_hymt.evaluate import score_rows
+        from raytrain_hymt.testsets import score_rows
         from raytrain_hymt.generation import Generator, translate_all
 
         t0 = time.perf_counter()

@@ -1,9 +1,8 @@
-"""The driver: start or join Ray, build the datasets, run the TorchTrainer, export, summarise.
+"""The driver's training run: check, start or join Ray, build the datasets, run the TorchTrainer, score.
 
-A run lives in ``<storage_root>/<name>/``: Ray's checkpoints (``checkpoint_step*``), ``run.json`` (the
-MLflow run id, so a re-submitted job continues the same MLflow run), ``config.yaml``, ``model/`` (the
-exported Hugging Face folder) and ``summary.json`` (written last; a finished run prints it and exits).
-``storage_root`` may be a URI (``s3://``, ``gs://``, ``file://``): these files then go through pyarrow
+``run_training`` is a short sequence of named steps; each is a function below. The run's folder and
+summary are :mod:`~raytrain_hymt.runs`' room, the Ray session :mod:`~raytrain_hymt.session`'s. ``storage_root``
+may be a URI (``s3://``, ``gs://``, ``file://``): the run's files then go through pyarrow
 (``storage.RunFolder``). When Ray Train gives up (``checkpoint.max_failures`` spent) the run ends with
 ``errors.TrainingFailed``, which names the original exception and the failing rank.
 """
@@ -14,111 +13,182 @@ import json
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass
-from datetime import datetime
-from pathlib import Path
+from dataclasses import asdict
 
-from raytrain_hymt.config import Config, to_yaml
+from raytrain_hymt.config import Config
+from raytrain_hymt.errors import ConfigError
+from raytrain_hymt.runs import RUN_FILE, SUMMARY_FILE, TrainingSummary, run_name, start_tracking
+from raytrain_hymt.session import init_ray, use_driver_env
+from raytrain_hymt.storage import RunFolder, is_uri
 
 log = logging.getLogger("raytrain_hymt")
 
-SUMMARY_FILE = "summary.json"
-RUN_FILE = "run.json"
 
+def run_training(cfg: Config, *, datasets=None, callbacks=(), parent_run_id: str | None = None) -> TrainingSummary:
+    """Train (or resume) the run ``cfg`` describes, export it, and return its summary.
 
-@dataclass
-class TrainingSummary:
-    """Where a finished run's results are."""
-
-    name: str
-    run_dir: str
-    checkpoint: str
-    model_dir: str | None
-    steps: int
-    train_loss: float
-    val_loss: float | None
-    wall_time_s: float
-    tracking_uri: str | None
-    mlflow_run_id: str | None
-    mlflow_experiment: str | None
-    test_scores: dict | None = None
-    """``{"test_set": name, "scores": {direction: {"bleu", "chrf", ...}}}`` when ``eval.test_set`` was set."""
-
-    def lines(self) -> list[str]:
-        """What the user reads at the end of a run."""
-        val = f", validation loss {self.val_loss:.4f}" if self.val_loss is not None else ""
-        out = [
-            f"run {self.name}: {self.steps} steps in {self.wall_time_s:.0f} s, train loss {self.train_loss:.4f}{val}",
-            f"  checkpoint:   {self.checkpoint}",
-        ]
-        if self.test_scores:
-            scores = ", ".join(f"{d} {s['bleu']:.2f}/{s['chrf']:.2f}" for d, s in self.test_scores["scores"].items())
-            out.append(f"  BLEU/chrF:    {scores}  ({self.test_scores['test_set']})")
-        if self.model_dir:
-            out.append(f"  model:        {self.model_dir}  (AutoModelForCausalLM.from_pretrained loads it)")
-        if self.mlflow_run_id:
-            out.append(f"  MLflow run:   {self.mlflow_run_id} in experiment '{self.mlflow_experiment}' at {self.tracking_uri}")
-            if self.tracking_uri and self.tracking_uri.startswith("sqlite:"):
-                out.append(f"  open the UI:  mlflow ui --backend-store-uri {self.tracking_uri}")
-            else:
-                out.append(f"  open the UI:  {self.tracking_uri}")
-        return out
-
-
-def run_name(cfg: Config) -> str:
-    """The configured name, or ``<preset>-<timestamp>``."""
-    return cfg.run.name or f"{cfg.preset}-{datetime.now():%Y%m%d-%H%M%S}"
-
-
-def init_ray(cfg: Config) -> bool:
-    """Join the cluster in ``RAY_ADDRESS`` (e.g. under ``ray job submit``) or start a local Ray.
-
-    Returns True when this call started a local Ray (no other node can ever join it), False when it
-    joined a cluster or Ray was already initialized.
+    A search's trial passes the ``(train, val, stats)`` the search built once (``datasets``), Ray Train
+    callbacks (Tune's reporting) and its search's MLflow run (``parent_run_id``).
     """
-    import ray
+    started = time.time()
+    folder, fingerprint = open_run(cfg)
+    start_session(cfg, check_resources=datasets is None)  # a search checked the cluster once for its trials
+    tracker, uri = track_run(cfg, folder, parent_run_id)
+    try:
+        train, val, stats = datasets or build_run_datasets(cfg, tracker)
+        loop_inputs = {
+            "config": cfg.model_dump(mode="json"), "train_rows": stats.train_rows,
+            "tracking_run_id": tracker.run_id, "tracking_uri": uri, "run_dir": str(folder.local),
+            "data_fingerprint": fingerprint,
+        }
+        result = fit_workers(cfg, train, val, loop_inputs, callbacks)
+        model_dir = locate_model(cfg, folder, tracker)
+        steps = int((result.metrics or {}).get("step", 0))
+        test_scores = score_test_set(cfg, folder, tracker, model_dir, steps)
+        summary = summarise(cfg, folder, result, model_dir, test_scores, uri, tracker.run_id, started)
+        tracker.finish("FINISHED")
+    except BaseException as e:
+        tracker.finish("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
+        stop = ctrl_c_before_fit(e, cfg)
+        if stop:
+            raise stop from None
+        raise
+    folder.write_text(SUMMARY_FILE, json.dumps(asdict(summary), indent=1))
+    return summary
 
-    from raytrain_hymt.quiet import quiet_ray, ray_init_kwargs
 
-    quiet_ray(driver=True)
-    if ray.is_initialized():
-        return False
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(**ray_init_kwargs())
-        return False
-    # 2 training workers plus the tokenizer actors need more logical CPUs than a 2-core machine has
-    # (FACTS.md: on 2 logical CPUs the actors never start). Logical CPUs are only a scheduling count.
-    want = cfg.scaling.local_num_cpus or max(4, os.cpu_count() or 1, int(cfg.scaling.num_workers * cfg.scaling.cpus_per_worker) + cfg.data.tokenize_actors)
-    ray.init(address="local", num_cpus=want, include_dashboard=False, **ray_init_kwargs())
-    return True
+def open_run(cfg: Config) -> tuple[RunFolder, dict]:
+    """Check everything the driver can before Ray starts, name the run and open its folder.
 
-
-def start_tracking(cfg: Config, run_dir: Path, parent_run_id: str | None = None, new_measurements: bool = False):
-    """Create or resume (id in ``<run_dir>/run.json``) the MLflow run of ``run_dir``; log its config.
-
-    Returns ``(tracker, tracking_uri)``; ``(NullTracker, None)`` when tracking is off. ``parent_run_id``
-    makes it a child run (a search's trial); ``new_measurements``: see ``Tracker.start``.
+    A re-submission that would train something else, or a resume on changed data, stops here.
+    Returns the folder and the data fingerprint the workers record in every checkpoint.
     """
-    from raytrain_hymt.tracking import make_tracker, resolve_tracking_uri
+    from raytrain_hymt.resume import keep_first_config
+    from raytrain_hymt.resume_data import check_resume_data
 
-    if not cfg.tracking.enabled:
-        return make_tracker(False), None
-    uri = resolve_tracking_uri(cfg.tracking.tracking_uri, cfg.run.storage_path)
-    saved = json.loads((run_dir / RUN_FILE).read_text()) if (run_dir / RUN_FILE).exists() else {}
-    tracker = make_tracker(
-        True, tracking_uri=uri, experiment=cfg.tracking.experiment, run_name=cfg.run.name,
-        run_id=saved.get("mlflow_run_id"), local_dir=run_dir, tensorboard=False,
-        parent_run_id=parent_run_id, retry_interval_s=cfg.tracking.retry_interval_s,
-        new_measurements=new_measurements,
-    )
-    (run_dir / RUN_FILE).write_text(json.dumps({"mlflow_run_id": tracker.run_id, "tracking_uri": uri}))
-    tracker.log_params(cfg.model_dump(mode="json"))  # flattened and redacted by the tracker
-    tracker.log_text(to_yaml(cfg), "config.yaml")
+    use_driver_env(cfg)
+    preflight(cfg)
+    cfg.run.name = run_name(cfg)
+    folder = RunFolder(cfg.run.storage_path, cfg.run.name)
+    keep_first_config(folder, cfg)
+    return folder, check_resume_data(cfg, folder)
+
+
+def start_session(cfg: Config, check_resources: bool = True) -> None:
+    """Start or join Ray; then fail fast (a local Ray) or warn (a cluster) when the workers cannot fit."""
+    from raytrain_hymt.resources import check_cluster_resources
+
+    started_locally = init_ray(cfg)
+    if check_resources:
+        check_cluster_resources(cfg, started_locally)
+
+
+def track_run(cfg: Config, folder: RunFolder, parent_run_id: str | None):
+    """The run's MLflow run, continued when a re-submitted job finds its ``run.json``; ``(tracker, uri)``."""
+    folder.pull(RUN_FILE)
+    tracker, uri = start_tracking(cfg, folder.local, parent_run_id=parent_run_id)
+    if tracker.run_id:
+        folder.push(RUN_FILE)
     return tracker, uri
 
 
-def _trainer(cfg: Config, train, val, loop_inputs: dict, callbacks=(), loop=None):
-    """The TorchTrainer of a run; ``loop``: the worker function (default ``train_loop``; benchmarks)."""
+def build_run_datasets(cfg: Config, tracker):
+    """The run's ``(train, val, stats)`` datasets (Ray Data), with the statistics logged at step 0."""
+    from raytrain_hymt.data.pipeline import build_datasets
+
+    train, val, stats = build_datasets(cfg)
+    log.info(stats.summary())
+    tracker.log_metrics(stats.as_metrics(), step=0)
+    return train, val, stats
+
+
+def fit_workers(cfg: Config, train, val, loop_inputs: dict, callbacks=()):
+    """Run the TorchTrainer to its end, drawing rank 0's progress; Ray Train's result.
+
+    A spent failure budget becomes one ``TrainingFailed`` that names the failing rank and cause.
+    """
+    from ray.train import TrainingFailedError
+
+    from raytrain_hymt.errors import budget_spent
+    from raytrain_hymt.interrupt import fit
+    from raytrain_hymt.progress import Watcher
+    from raytrain_hymt.quiet import verbose
+
+    watcher = None if verbose() else Watcher()  # verbose: rank 0's own lines are forwarded instead
+    loop_inputs = {**loop_inputs, "progress_board": watcher.name if watcher else None}
+    try:
+        return fit(build_trainer(cfg, train, val, loop_inputs, callbacks), cfg.run.storage_path, cfg.run.name)
+    except TrainingFailedError as e:
+        raise budget_spent(e, cfg.checkpoint.max_failures) from e
+    finally:
+        if watcher:
+            watcher.close()
+
+
+def locate_model(cfg: Config, folder: RunFolder, tracker) -> str | None:
+    """Where the workers exported the model (``worker.Worker.export``); the driver only says where."""
+    from raytrain_hymt.worker import MODEL_DIR
+
+    if not cfg.run.export:
+        return None
+    model_dir = folder.location(MODEL_DIR)
+    if tracker.run_id:
+        tracker.set_tags({"model_dir": model_dir})
+    if cfg.tracking.log_model:
+        if folder.remote:
+            log.warning("tracking.log_model: the model is in %s, not uploaded again to MLflow", model_dir)
+        else:
+            tracker.log_artifact(model_dir, "model")
+    return model_dir
+
+
+def score_test_set(cfg: Config, folder: RunFolder, tracker, model_dir: str | None, steps: int) -> dict | None:
+    """BLEU/chrF/chrF++/TER of the exported model on ``eval.test_set``, or None (no test set, no export).
+
+    A failed evaluation is a warning: the trained model is safe, and ``hymt evaluate`` scores it again.
+    """
+    from raytrain_hymt.evaluate import evaluate_model, log_result
+
+    if not (cfg.eval.test_set and model_dir):  # a search's trials export nothing
+        return None
+    try:
+        # The training workers are gone: the translating replicas get their GPUs. model_dir, not the
+        # driver's local copy: replicas may run on other nodes (a URI reaches them).
+        test = evaluate_model(cfg, model_dir, folder.local / "eval", step=steps)
+    except Exception as e:  # noqa: BLE001 - the trained model is safe; scoring can be redone
+        log.warning("evaluation on %s failed (%s: %s); the run is kept, score it with: "
+                    "hymt evaluate --name %s", cfg.eval.test_set, type(e).__name__, e, cfg.run.name)
+        return None
+    log_result(tracker, test, steps)
+    folder.push("eval")
+    return {"test_set": test.test_set, "scores": test.scores}
+
+
+def summarise(cfg: Config, folder: RunFolder, result, model_dir: str | None, test_scores: dict | None,
+              uri: str | None, mlflow_run_id: str | None, started: float) -> TrainingSummary:
+    """What the user reads at the end, and what ``summary.json`` keeps."""
+    metrics = result.metrics or {}
+    return TrainingSummary(
+        name=cfg.run.name, run_dir=folder.uri, checkpoint=result.checkpoint.path, model_dir=model_dir,
+        steps=int(metrics.get("step", 0)), train_loss=float(metrics.get("train_loss", float("nan"))),
+        val_loss=metrics.get("val_loss"), wall_time_s=time.time() - started, tracking_uri=uri,
+        mlflow_run_id=mlflow_run_id, mlflow_experiment=cfg.tracking.experiment if uri else None,
+        test_scores=test_scores,
+    )
+
+
+def ctrl_c_before_fit(e: BaseException, cfg: Config):
+    """For a Ctrl-C before Ray Train's fit (``interrupt.fit`` raises its own), the ``Interrupted`` that
+    names the last checkpoint to resume from; None for any other exception."""
+    from raytrain_hymt.interrupt import Interrupted, latest_checkpoint
+
+    if isinstance(e, KeyboardInterrupt) and not isinstance(e, Interrupted):
+        return Interrupted(cfg.run.name, latest_checkpoint(cfg.run.storage_path, cfg.run.name))
+    return None
+
+
+def build_trainer(cfg: Config, train, val, loop_inputs: dict, callbacks=(), loop=None):
+    """The TorchTrainer of a run; ``loop``: the per-worker function (default :func:`~raytrain_hymt.train_loop.train_loop`)."""
     import ray.train
     from ray.data import ExecutionOptions
     from ray.train.torch import TorchTrainer
@@ -143,7 +213,7 @@ def _trainer(cfg: Config, train, val, loop_inputs: dict, callbacks=(), loop=None
             resources_per_worker={"CPU": cfg.scaling.cpus_per_worker},
         ),
         datasets={"train": train, "val": val},
-        # Every worker reads the whole ordered stream and takes its slice (train_loop.rank_slice).
+        # Every worker reads the whole ordered stream and takes its slice (ranks.rank_slice).
         dataset_config=ray.train.DataConfig(datasets_to_split=[], execution_options={"train": ordered, "val": ordered}),
         run_config=ray.train.RunConfig(
             name=cfg.run.name,
@@ -156,34 +226,12 @@ def _trainer(cfg: Config, train, val, loop_inputs: dict, callbacks=(), loop=None
     )
 
 
-def use_driver_env(cfg: Config) -> None:
-    """Put ``scaling.env`` into this (the driver's) environment.
-
-    The driver reads and writes the run folder itself, and a local Ray it starts passes its environment on
-    to every process (Ray Train's controller too), so an object store's endpoint has to be in place first.
-    """
-    os.environ.update(cfg.scaling.env)
-
-
-def finished_summary(cfg: Config) -> TrainingSummary | None:
-    """The summary of a run of this name that already finished, or None."""
-    from raytrain_hymt.storage import RunFolder
-
-    use_driver_env(cfg)
-    if not cfg.run.name:
-        return None
-    text = RunFolder(cfg.run.storage_path, cfg.run.name, create=False).read_text(SUMMARY_FILE)
-    return TrainingSummary(**json.loads(text)) if text else None
-
-
 def preflight(cfg: Config) -> None:
     """Mistakes the config alone cannot see, caught on the driver before Ray starts or data is read."""
     from raytrain_hymt.data.preflight import check_inputs
 
     check_inputs(cfg)  # typos in paths, formats, language codes: before a run folder or Ray exists
-    from raytrain_hymt.config import ConfigError
     from raytrain_hymt.engine import build_ds_config
-    from raytrain_hymt.storage import is_uri
 
     # A missing or contradicting deepspeed.config_file would otherwise fail on every worker, after the
     # data pipeline ran, once per allowed restart.
@@ -196,106 +244,9 @@ def preflight(cfg: Config) -> None:
             "set tracking.tracking_uri (or MLFLOW_TRACKING_URI) to an MLflow server, or tracking.enabled=false"
         )
     if cfg.eval.test_set:
-        from raytrain_hymt.evaluate import load_test_set, plan_rows
+        from raytrain_hymt.testsets import load_test_set, plan_rows
 
         if not cfg.run.export:
             raise ConfigError("eval.test_set scores the exported model at the end of a run: it needs run.export: true")
         # A wrong folder or direction would otherwise surface after hours of training.
         plan_rows(load_test_set(cfg.eval.test_set), cfg.eval.directions, cfg.eval.max_sentences)
-
-
-def run_training(cfg: Config, *, datasets=None, callbacks=(), parent_run_id: str | None = None) -> TrainingSummary:
-    """Train (or resume) the run ``cfg`` describes, export it, and return its summary.
-
-    A search's trial passes the ``(train, val, stats)`` the search built once (``datasets``), Ray Train
-    callbacks (Tune's reporting) and its search's MLflow run (``parent_run_id``).
-    """
-    from ray.train import TrainingFailedError
-
-    from raytrain_hymt.data.pipeline import build_datasets
-    from raytrain_hymt.errors import budget_spent
-    from raytrain_hymt.evaluate import evaluate_model, log_result
-    from raytrain_hymt.interrupt import Interrupted, fit, latest_checkpoint
-    from raytrain_hymt.resume import keep_first_config
-    from raytrain_hymt.progress import Watcher
-    from raytrain_hymt.quiet import verbose
-    from raytrain_hymt.resources import check_cluster_resources
-    from raytrain_hymt.resume_data import check_resume_data
-
-    from raytrain_hymt.storage import RunFolder
-    from raytrain_hymt.train_loop import MODEL_DIR
-
-    started = time.time()
-    use_driver_env(cfg)
-    preflight(cfg)
-    cfg.run.name = run_name(cfg)
-    folder = RunFolder(cfg.run.storage_path, cfg.run.name)
-    # On a URI storage root, run_dir is the driver's staging folder; the files that matter are pushed.
-    run_dir = folder.local
-    keep_first_config(folder, cfg)  # a re-submission that would train something else stops here
-    fingerprint = check_resume_data(cfg, folder)  # a resume on changed data stops here, before Ray
-    started_locally = init_ray(cfg)
-    if datasets is None:  # a search's trial: run_search checked the cluster once for all its trials
-        check_cluster_resources(cfg, started_locally)
-    folder.pull(RUN_FILE)  # a re-submitted job continues the MLflow run of the first one
-    tracker, uri = start_tracking(cfg, run_dir, parent_run_id=parent_run_id)
-    if tracker.run_id:
-        folder.push(RUN_FILE)
-    try:
-        train, val, stats = datasets or build_datasets(cfg)
-        log.info(stats.summary())
-        tracker.log_metrics(stats.as_metrics(), step=0)
-        loop_inputs = {
-            "config": cfg.model_dump(mode="json"), "train_rows": stats.train_rows,
-            "tracking_run_id": tracker.run_id, "tracking_uri": uri, "run_dir": str(run_dir),
-            "data_fingerprint": fingerprint,
-        }
-        watcher = None if verbose() else Watcher()  # verbose: rank 0's own lines are forwarded instead
-        loop_inputs["progress_board"] = watcher.name if watcher else None
-        try:
-            result = fit(_trainer(cfg, train, val, loop_inputs, callbacks), cfg.run.storage_path, cfg.run.name)
-        except TrainingFailedError as e:
-            raise budget_spent(e, cfg.checkpoint.max_failures) from e
-        finally:
-            if watcher:
-                watcher.close()
-        model_dir = None
-        if cfg.run.export:  # the workers wrote it (train_loop.Worker.export); the driver only says where
-            model_dir = folder.location(MODEL_DIR)
-            if tracker.run_id:
-                tracker.set_tags({"model_dir": model_dir})
-            if cfg.tracking.log_model:
-                if folder.remote:
-                    log.warning("tracking.log_model: the model is in %s, not uploaded again to MLflow", model_dir)
-                else:
-                    tracker.log_artifact(model_dir, "model")
-        metrics = result.metrics or {}
-        steps = int(metrics.get("step", 0))
-        test_scores = None
-        if cfg.eval.test_set and model_dir:  # a search's trials export nothing
-            try:
-                # The training workers are gone: the translating replicas get their GPUs. model_dir, not the
-                # driver's local copy: replicas may run on other nodes (a URI reaches them).
-                test = evaluate_model(cfg, model_dir, run_dir / "eval", step=steps)
-            except Exception as e:  # noqa: BLE001 - the trained model is safe; scoring can be redone
-                log.warning("evaluation on %s failed (%s: %s); the run is kept, score it with: "
-                            "hymt evaluate --name %s", cfg.eval.test_set, type(e).__name__, e, cfg.run.name)
-            else:
-                log_result(tracker, test, steps)
-                folder.push("eval")
-                test_scores = {"test_set": test.test_set, "scores": test.scores}
-        summary = TrainingSummary(
-            name=cfg.run.name, run_dir=folder.uri, checkpoint=result.checkpoint.path, model_dir=model_dir,
-            steps=steps, train_loss=float(metrics.get("train_loss", float("nan"))),
-            val_loss=metrics.get("val_loss"), wall_time_s=time.time() - started, tracking_uri=uri,
-            mlflow_run_id=tracker.run_id, mlflow_experiment=cfg.tracking.experiment if uri else None,
-            test_scores=test_scores,
-        )
-        tracker.finish("FINISHED")
-    except BaseException as e:
-        tracker.finish("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
-        if isinstance(e, KeyboardInterrupt) and not isinstance(e, Interrupted):  # Ctrl-C before fit()
-            raise Interrupted(cfg.run.name, latest_checkpoint(cfg.run.storage_path, cfg.run.name)) from None
-        raise
-    folder.write_text(SUMMARY_FILE, json.dumps(asdict(summary), indent=1))
-    return summary

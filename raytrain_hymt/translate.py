@@ -16,7 +16,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from raytrain_hymt.config import ConfigError
+from raytrain_hymt.errors import ConfigError
 
 log = logging.getLogger("raytrain_hymt")
 
@@ -43,7 +43,7 @@ def resolve_model(model: str, storage_root: str, scratch: str) -> str:
     from raytrain_hymt.export import export_checkpoint
     from raytrain_hymt.quiet import no_bars
     from raytrain_hymt.storage import RunFolder, is_uri
-    from raytrain_hymt.trainer import SUMMARY_FILE
+    from raytrain_hymt.runs import SUMMARY_FILE
 
     if model == "tiny" or is_uri(model):
         return model
@@ -77,7 +77,7 @@ def resolve_model(model: str, storage_root: str, scratch: str) -> str:
 def read_input(sentences: list[str], input_path: str | None, stdin) -> list[str]:
     """The sentences to translate: the arguments, else the lines of ``input_path`` (``-``: stdin), else
     stdin when it is not a terminal. ConfigError when there is nothing to translate."""
-    from raytrain_hymt.evaluate import read_lines
+    from raytrain_hymt.testsets import read_sentences
 
     if sentences and input_path:
         raise ConfigError("give sentences as arguments or --input FILE, not both")
@@ -86,7 +86,7 @@ def read_input(sentences: list[str], input_path: str | None, stdin) -> list[str]
     elif input_path and input_path != "-":
         if not Path(input_path).is_file():
             raise ConfigError(f"--input {input_path}: no such file")
-        lines = read_lines(Path(input_path))
+        lines = read_sentences(Path(input_path))
     elif input_path == "-" or not stdin.isatty():
         lines = [line.rstrip("\r") for line in stdin.read().split("\n")]
         if lines and lines[-1] == "":
@@ -151,7 +151,7 @@ def _in_process(cfg, model: str, sources: list[str], src: str, tgt: str, sample:
 
 def _on_ray(cfg, model: str, sources: list[str], src: str, tgt: str, sample: bool):
     from raytrain_hymt.evaluate import translate
-    from raytrain_hymt.trainer import init_ray
+    from raytrain_hymt.session import init_ray
 
     init_ray(cfg)
     rows = [{"id": i, "src": s, "src_lang": src, "tgt_lang": tgt} for i, s in enumerate(sources)]

@@ -57,7 +57,8 @@ def save_model_folder(folder: Path, **shape: object) -> str:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from raytrain_hymt.model import load_tokenizer, padded_vocab_size, tiny_model_config
+    from raytrain_hymt.model import tiny_model_config
+    from raytrain_hymt.tokenizer import load_tokenizer, padded_vocab_size
 
     tok = load_tokenizer("tiny")
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""The GPU benchmark (jobs/benchmark.py, raytrain_hymt.bench) on CPU: its pure parts, and one real smoke run
+"""The GPU benchmark (jobs/benchmark.py, benchmarks.throughput) on CPU: its pure parts, and one real smoke run
 of the tiny model through TorchTrainer and through torchrun on the same batches. GPU-only parts (flex
 attention training, Liger's fused loss, torch.compile) are skipped here with the reason; their figures
 come from the benchmark on 2×H200 (docs/gpu-benchmark.md)."""
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from raytrain_hymt.bench import (
+from benchmarks.throughput import (
     CASES,
     document_mask_check,
     markdown_table,
@@ -21,7 +21,8 @@ from raytrain_hymt.bench import (
     run_benchmark,
     summarize,
 )
-from raytrain_hymt.config import ConfigError, load_config
+from raytrain_hymt.config import load_config
+from raytrain_hymt.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -44,7 +45,8 @@ def test_seven_b_shape_has_the_published_parameter_counts():
 
 
 def test_random_model_from_a_config_file(tmp_path):
-    from raytrain_hymt.model import RANDOM_PREFIX, hunyuan_7b_config, load_model, load_tokenizer
+    from raytrain_hymt.model import hunyuan_7b_config, load_model
+    from raytrain_hymt.tokenizer import RANDOM_PREFIX, load_tokenizer
 
     shape = hunyuan_7b_config(layers=1, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                               num_key_value_heads=2, head_dim=16, vocab_size=4096, pad_token_id=2, eos_token_id=1)
@@ -156,7 +158,7 @@ def test_benchmark_cli_rejects_unknown_case(capsys):
 
 def test_zero3_load_benchmark_measures_both_ways(tmp_path):
     """jobs/bench_zero3_load.py's measurement on the tiny model: two real gloo ranks per way of loading."""
-    from raytrain_hymt.bench_load import measure
+    from benchmarks.zero3_load import measure
 
     rows = measure(None, 2, False, str(tmp_path))
     assert sorted((r["partitioned_load"], r["rank"]) for r in rows) == [(False, 0), (False, 1), (True, 0), (True, 1)]

@@ -2,7 +2,8 @@
 
 import pytest
 
-from raytrain_hymt.config import Config, ConfigError, flatten, load_config, parse_override, preset_names, to_yaml
+from raytrain_hymt.config import Config, flatten, load_config, parse_override, preset_names, to_yaml
+from raytrain_hymt.errors import ConfigError
 
 
 def test_default_preset_is_tiny_cpu():

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import io
 import re
-
-import pytest
+import time
 
 NOISE = re.compile(r"TrainingReport\(|real_accelerator\.py|\w+Warning:|Traceback")
 
@@ -60,8 +59,20 @@ def test_the_driver_shows_what_rank_0_publishes(ray_session):
             assert [line.split()[1] for line in text.splitlines() if line.startswith("step ") and "/" in line.split()[1]] == [
                 "1/6", "3/6", "6/6"]
             assert "step 3/6 loss 7.7000 val 7.5000 lr 1.00e-03 1003 tok/s/worker" in text
-        with pytest.raises(ValueError):
-            ray_session.get_actor(watcher.name, namespace="hymt")  # the board is gone
+        assert _board_gone(ray_session, watcher.name)
+
+
+def _board_gone(ray, name: str, timeout_s: float = 20.0) -> bool:
+    """Whether the board actor ``name`` is gone within ``timeout_s``: ``ray.kill`` returns before the name
+    is released (on a loaded machine the test saw it still registered right after close())."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(name, namespace="hymt")
+        except ValueError:
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def test_verbose_brings_rays_output_back(monkeypatch):

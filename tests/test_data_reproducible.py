@@ -25,7 +25,8 @@ from raytrain_hymt.config import load_config
 from raytrain_hymt.data.epochs import epoch_batches, window_rows
 from raytrain_hymt.data.fingerprint import DataChangedError, check_same_data, compare_fingerprints, sources_fingerprint
 from raytrain_hymt.data.pipeline import PARTITION_BYTES, build_datasets, sort_partitions
-from raytrain_hymt.data.readers import DataSourceError, file_name, source_root
+from raytrain_hymt.errors import DataSourceError
+from raytrain_hymt.data.files import file_name, source_root
 from raytrain_hymt.sample import SAMPLE_CORPUS
 
 PAIRS = 28

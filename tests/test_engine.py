@@ -10,10 +10,12 @@ import math
 import pytest
 import torch
 
-from raytrain_hymt.config import ConfigError, load_config
+from raytrain_hymt.config import load_config
+from raytrain_hymt.errors import ConfigError
 from raytrain_hymt.engine import apply_lora, build_ds_config, lr_factor, merge_user_ds_config
 from raytrain_hymt.metrics import matmul_params, mfu, peak_flops, step_flops
-from raytrain_hymt.model import load_model, load_tokenizer
+from raytrain_hymt.model import load_model
+from raytrain_hymt.tokenizer import load_tokenizer
 
 
 def cfg(*overrides: str):

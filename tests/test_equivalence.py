@@ -53,7 +53,7 @@ def sample_rows(n: int) -> dict[str, np.ndarray]:
     from raytrain_hymt.data.packing import as_single_rows
     from raytrain_hymt.data.prompts import build_prompt
     from raytrain_hymt.data.tokenize import answer_suffix, encode_pairs
-    from raytrain_hymt.model import load_tokenizer
+    from raytrain_hymt.tokenizer import load_tokenizer
     from raytrain_hymt.sample import SAMPLE_CORPUS
 
     tok = load_tokenizer("tiny")
@@ -84,13 +84,38 @@ def run_config(workers: int, micro: int, accum: int = 1, **fields) -> dict:
     return load_config(None, [f"{k}={v}" for k, v in values.items()]).model_dump(mode="json")
 
 
+# The fp32 ZeRO-0 reference of tests/test_equivalence.py: plain data parallel, with the exact gradient
+# norm the ZeRO stages report. Test-only: the product never patches DeepSpeed.
+#
+# At stage 0 DeepSpeed clips with a function that drops the norm it computed (``get_global_grad_norm()``
+# stays None), and that norm sums in fp32 per tensor: on CPU it was off by ~1e-4 relative for the tiny
+# model's output head. ``record_exact_grad_norm`` clips the same way (scale by ``max / (norm + 1e-6)``
+# when above ``max``) with the norm summed in fp64, and keeps it where ``get_global_grad_norm()`` reads
+# it. Gradients are already averaged over ranks there, so every rank computes the same norm.
+# (Defined here, not imported: Ray workers unpickle this module's functions by value.)
+def record_exact_grad_norm(engine) -> None:
+    """Replace a stage-0 ``engine``'s gradient clipping by the exact one above."""
+    import torch
+
+    def clip_and_record():
+        grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+        norm = float(torch.stack([g.detach().double().pow(2).sum() for g in grads]).sum().sqrt())
+        coef = min(1.0, engine.gradient_clipping() / (norm + 1e-6))
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+        engine._global_grad_norm = norm
+
+    engine.clip_fp32_gradients = clip_and_record
+
+
 def _train_configs(loop_config: dict) -> None:
     """Ray Train function: build a ``Worker`` per configuration, train it on the fixed global batches."""
     import ray.train
 
     from raytrain_hymt.checkpoint import RunState, save_rank_checkpoint, step_tag
     from raytrain_hymt.export import export_from_engine
-    from raytrain_hymt.train_loop import LoopInputs, Worker
+    from raytrain_hymt.worker import LoopInputs, Worker
 
     out = Path(loop_config["out"])
     batches, probe = loop_config["batches"], loop_config["probe"]
@@ -99,8 +124,10 @@ def _train_configs(loop_config: dict) -> None:
     rank = ctx.get_world_rank()
     for name, run in loop_config["runs"].items():
         w = Worker(LoopInputs(config=run["config"], train_rows=STEPS * ROWS_PER_STEP, tracking_run_id=None,
-                              tracking_uri=None, run_dir=str(out)))
+                              tracking_uri=None, run_dir=str(out)), rank, ctx.get_world_size())
         w.build()
+        if w.cfg.deepspeed.zero_stage == 0:
+            record_exact_grad_norm(w.engine)  # the fp32 reference: the norm the ZeRO stages report
         steps = [w.train_step(b) for b in batches]
         results[name] = {k: [s[k] for s in steps] for k in steps[0]}
         if run.get("probe"):
@@ -191,7 +218,8 @@ def curves(ray_session, tmp_path_factory):
 
 def _tiny_model_folder(folder: Path) -> str:
     """The tiny model's initial weights (seed 0, as every run above starts from) saved as a model folder."""
-    from raytrain_hymt.model import load_model, load_tokenizer
+    from raytrain_hymt.model import load_model
+    from raytrain_hymt.tokenizer import load_tokenizer
 
     tok = load_tokenizer("tiny")
     load_model("tiny", tok, seed=0).save_pretrained(folder)
@@ -335,7 +363,8 @@ def test_lora(curves, tmp_path):
 
     from raytrain_hymt.checkpoint import LORA_CONFIG_FILE
     from raytrain_hymt.export import _checkpoint_tensors, export_checkpoint
-    from raytrain_hymt.model import load_model, load_tokenizer
+    from raytrain_hymt.model import load_model
+    from raytrain_hymt.tokenizer import load_tokenizer
 
     out, results = curves
     _same_curve(results, "lora_zero3", "lora_zero2")

@@ -11,8 +11,11 @@ import pytest
 import sacrebleu
 
 from raytrain_hymt.cli import main
-from raytrain_hymt.config import ConfigError, load_config
-from raytrain_hymt.evaluate import bleu_tokenizer, load_test_set, parse_direction, plan_rows, read_lines, score
+from raytrain_hymt.config import load_config
+from raytrain_hymt.errors import ConfigError
+from raytrain_hymt.languages import parse_direction
+from raytrain_hymt.scoring import bleu_tokenizer, score
+from raytrain_hymt.testsets import load_test_set, plan_rows, read_sentences
 from raytrain_hymt.scoring import read_history
 from raytrain_hymt.trainer import preflight
 
@@ -106,7 +109,7 @@ def test_bad_test_sets_are_refused_with_what_is_wrong(tmp_path):
     # Only a newline ends a sentence: a form feed or U+2028 inside one, or CRLF endings, change nothing.
     (tmp_path / "zh.txt").write_bytes("甲\x0c甲\r\n乙\u2028乙\r\n丙".encode())
     ts = load_test_set(str(tmp_path))
-    assert ts.lines == 3 and read_lines(ts.files["zh"]) == ["甲\x0c甲", "乙\u2028乙", "丙"]
+    assert ts.lines == 3 and read_sentences(ts.files["zh"]) == ["甲\x0c甲", "乙\u2028乙", "丙"]
     (tmp_path / "de.txt").write_text("")
     with pytest.raises(ConfigError, match=r"de.txt in .* has no lines"):
         load_test_set(str(tmp_path))

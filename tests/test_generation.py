@@ -8,6 +8,8 @@ import pytest
 
 from raytrain_hymt.generation import batches_longest_first, load_generator, translate_all, translate_or_report
 
+from conftest import FLORES_DEVTEST
+
 SOURCES = ["Hello.", "The cat sat on the mat and looked out of the window for a long time.", "我喜欢猫。",
            "Guten Morgen, wie geht es dir?"]
 SRC = ["en", "en", "zh", "de"]
@@ -56,3 +58,32 @@ def test_sampling_follows_the_model_card_and_is_seeded():
     assert {k: getattr(config, k) for k in GENERATION_DEFAULTS} == GENERATION_DEFAULTS
     first = g.translate(SOURCES, SRC, TGT)
     assert g.translate(SOURCES, SRC, TGT) == first and first != PINNED
+
+
+def test_static_cache_decoding_gives_the_same_translations_and_keeps_its_decoder(tiny_generator):
+    # The GPU path (static KV cache; there one step is a CUDA graph) run eagerly on CPU: exactly generate()'s
+    # output, also for a smaller batch (padded to the decoder's rows) served by the same decoder.
+    from raytrain_hymt.generation import DECODER_ATTR
+
+    assert tiny_generator.translate(SOURCES, SRC, TGT, static=True) == PINNED
+    decoder = tiny_generator.model.__dict__[DECODER_ATTR]
+    assert (decoder.rows, decoder.cache_len) == (4, 128)
+    assert tiny_generator.translate(SOURCES[1:3], SRC[1:3], TGT[1:3], static=True) == PINNED[1:3]
+    assert tiny_generator.model.__dict__[DECODER_ATTR] is decoder
+    # A batch of more rows than the decoder holds gets a new, larger one.
+    assert tiny_generator.translate(SOURCES * 2, SRC * 2, TGT * 2, static=True) == PINNED * 2
+    assert tiny_generator.model.__dict__[DECODER_ATTR].rows == 8
+
+
+def test_static_decoding_stops_where_generate_stops_on_a_trained_model(finished_run):
+    # A trained tiny model ends its answers early: both paths stop at the step where the last row has
+    # emitted its end-of-answer token, with the same tokens.
+    from raytrain_hymt.evaluate import load_test_set, plan_rows
+
+    storage, summary = finished_run
+    generator = load_generator(summary.model_dir, "fp32", 64, use_gpu=False)
+    rows = plan_rows(load_test_set(FLORES_DEVTEST), ["en-zh", "zh-en"], 8)
+    enc = generator.encode([r["src"] for r in rows], [r["src_lang"] for r in rows], [r["tgt_lang"] for r in rows])
+    before = generator.new_tokens(enc, static=False)
+    after = generator.new_tokens(enc, static=True)
+    assert before.shape[1] < 64 and after.tolist() == before.tolist()

@@ -26,10 +26,12 @@ import yaml
 from conftest import REPO, tiny_overrides
 from raytrain_hymt import cli
 from raytrain_hymt.checkpoint import IncompleteCheckpointError, check_checkpoint, unreadable_file
-from raytrain_hymt.config import Config, ConfigError, flatten, load_config
+from raytrain_hymt.config import Config, flatten, load_config
+from raytrain_hymt.errors import ConfigError
 from raytrain_hymt.data.cleaning import DataQualityError
 from raytrain_hymt.data.preflight import check_inputs, model_problem, nearest_language, source_problems, trained_directions
-from raytrain_hymt.data.readers import file_name, read_lines, tatoeba_parser
+from raytrain_hymt.data.readers import read_line_tables, tatoeba_parser
+from raytrain_hymt.data.files import file_name
 from raytrain_hymt.errors import describe_failure
 from raytrain_hymt.resume import CHANGES_FILE, TRAJECTORY_FREE, changes_trajectory, check_resume, keep_first_config
 from raytrain_hymt.storage import RunFolder
@@ -153,7 +155,7 @@ def test_moses_partners_must_exist_and_have_as_many_lines(tmp_path):
 def test_a_utf8_bom_is_not_part_of_the_first_language_label(tmp_path):
     path = tmp_path / "bom.tsv"
     path.write_bytes("\ufeffeng\tdeu\tHi\tHallo\n".encode("utf-8"))
-    (table,) = read_lines(str(path), 0, tatoeba_parser(None, None), file_name(str(path), str(tmp_path)))
+    (table,) = read_line_tables(str(path), 0, tatoeba_parser(None, None), file_name(str(path), str(tmp_path)))
     assert table.column("src_lang").to_pylist() == ["eng"]
     assert table.column("src").to_pylist() == ["Hi"]
 
@@ -264,7 +266,7 @@ def test_too_many_bad_rows_through_ray_reach_the_user_whole(capsys, ray_session,
 
 
 def test_ctrl_c_outside_training_is_one_line_without_traceback(capsys, monkeypatch, tmp_path):
-    import raytrain_hymt.data.prepare as prepare
+    import raytrain_hymt.prepare as prepare
 
     def interrupted(cfg, out, **_options):  # stands in for the user pressing Ctrl-C while the data is prepared
         raise KeyboardInterrupt

@@ -24,7 +24,8 @@ from raytrain_hymt.data.packing import (
     pack_examples,
     token_loss_sum,
 )
-from raytrain_hymt.model import load_model, load_tokenizer
+from raytrain_hymt.model import load_model
+from raytrain_hymt.tokenizer import load_tokenizer
 
 ATTN_IMPLEMENTATIONS = ["sdpa", "eager", "flex_attention"]
 TOL = 1e-5

@@ -13,7 +13,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from raytrain_hymt.config import SourceConfig, load_config
+from raytrain_hymt.config import load_config
+from raytrain_hymt.config_sections import SourceConfig
 from raytrain_hymt.data.cleaning import CleaningRules, DataQualityError, normalize_text, pair_key
 from raytrain_hymt.data.packing import IGNORE_INDEX
 from raytrain_hymt.data.pipeline import (
@@ -26,10 +27,11 @@ from raytrain_hymt.data.pipeline import (
     order_key,
     prepare_pairs,
 )
-from raytrain_hymt.data.readers import DataSourceError, example_id
+from raytrain_hymt.data.readers import example_id
+from raytrain_hymt.errors import DataSourceError
 from raytrain_hymt.languages import UnsupportedLanguageError
-from raytrain_hymt.model import load_tokenizer
 from raytrain_hymt.sample import SAMPLE_CORPUS
+from raytrain_hymt.tokenizer import load_tokenizer
 
 from conftest import TATOEBA_DEU_ENG
 
@@ -171,7 +173,7 @@ def test_language_mapping_and_prompt_layout_in_packed_rows(mixed):
 def tatoeba(ray_session, tmp_path_factory):
     """eng-zho (the bundled sample) + deu-eng (tests/assets) with a 20% validation split; built once, then
     prepared to Parquet (a second pipeline run) and read back through ``data.prepared_path``."""
-    from raytrain_hymt.data.prepare import prepare_dataset
+    from raytrain_hymt.prepare import prepare_dataset
 
     files = [SAMPLE_CORPUS, TATOEBA_DEU_ENG]
     cfg = _config(sources=[SourceConfig(path=str(f), format="tatoeba") for f in files],
@@ -370,7 +372,7 @@ def test_finish_partition_dedups_weights_and_orders():
 
 
 def test_prepared_files_are_read_in_write_order():
-    from raytrain_hymt.data.prepare import _file_order
+    from raytrain_hymt.data.prepared import _file_order
 
     names = ["u_w_000001-0.parquet", "u_w_000000-10.parquet", "u_w_000000-2.parquet"]
     assert sorted(names, key=_file_order) == ["u_w_000000-2.parquet", "u_w_000000-10.parquet", "u_w_000001-0.parquet"]

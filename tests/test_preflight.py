@@ -10,7 +10,8 @@ import pytest
 from conftest import REPO
 from raytrain_hymt.checkpoint import ResumeMismatchError, RunState, check_same_shape
 from raytrain_hymt.export import _check_export_target
-from raytrain_hymt.config import ConfigError, load_config
+from raytrain_hymt.config import load_config
+from raytrain_hymt.errors import ConfigError
 from raytrain_hymt.resources import resource_shortfall, worker_resources
 from raytrain_hymt.trainer import preflight
 

@@ -14,16 +14,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from raytrain_hymt.config import SourceConfig
-from raytrain_hymt.data.readers import (
-    PAIR_COLUMNS,
-    DataSourceError,
-    count_lines,
-    example_id,
-    expand_paths,
-    plan_source,
-    read_source,
-)
+from raytrain_hymt.config_sections import SourceConfig
+from raytrain_hymt.data.files import count_lines, expand_paths
+from raytrain_hymt.data.readers import PAIR_COLUMNS, DataSourceError, example_id
+from raytrain_hymt.data.sources import plan_source, read_source
 
 
 def read_all(source: SourceConfig, index: int = 0) -> list[dict]:

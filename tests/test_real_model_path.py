@@ -23,7 +23,8 @@ import torch
 
 from conftest import REPO, save_model_folder, tiny_overrides
 from fault_tolerance_common import attempts, effective, read_records
-from raytrain_hymt.config import ConfigError, load_config
+from raytrain_hymt.config import load_config
+from raytrain_hymt.errors import ConfigError
 from raytrain_hymt.trainer import run_training
 
 pytestmark = pytest.mark.integration
@@ -103,7 +104,8 @@ def test_lora_checkpoint_holds_only_what_trains(lora_runs):
     from raytrain_hymt.checkpoint import read_state
     from raytrain_hymt.engine import apply_lora
     from raytrain_hymt.export import _checkpoint_tensors
-    from raytrain_hymt.model import load_model, load_tokenizer
+    from raytrain_hymt.model import load_model
+    from raytrain_hymt.tokenizer import load_tokenizer
 
     root, folder, _, _, resumed = lora_runs
     ckpt = Path(resumed.checkpoint)

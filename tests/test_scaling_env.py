@@ -8,7 +8,8 @@ import os
 import pytest
 from mlflow import MlflowClient
 
-from raytrain_hymt.config import ConfigError, load_config
+from raytrain_hymt.config import load_config
+from raytrain_hymt.errors import ConfigError
 
 SECRET = "wJalrXUtnFEMI-K7MDENG-9090"
 #: The tutorial's NCCL settings (README troubleshooting table) plus an object store's credentials.
@@ -32,7 +33,7 @@ def test_env_values_become_text_and_bad_names_are_refused():
 
 
 def test_secret_env_values_are_redacted_from_mlflow_params(tmp_path, monkeypatch):
-    from raytrain_hymt.trainer import start_tracking
+    from raytrain_hymt.runs import start_tracking
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     cfg = load_config(None, [f"run.storage_root={tmp_path}", "run.name=envs", *_env_overrides(ENV)])
@@ -57,7 +58,7 @@ def test_every_worker_gets_the_env_through_its_runtime_env(ray_session, tmp_path
     import ray.data
     import ray.train
 
-    from raytrain_hymt.trainer import _trainer
+    from raytrain_hymt.trainer import build_trainer
 
     names = ["NCCL_SOCKET_IFNAME", "NCCL_IB_DISABLE", "DS_ACCELERATOR"]
 
@@ -70,6 +71,6 @@ def test_every_worker_gets_the_env_through_its_runtime_env(ray_session, tmp_path
                              "scaling.env.NCCL_SOCKET_IFNAME=lo", "scaling.env.NCCL_IB_DISABLE=1"])
     assert "NCCL_SOCKET_IFNAME" not in os.environ  # only the runtime environment can bring it to a worker
     rows = ray.data.from_items([{"x": 0}])
-    _trainer(cfg, rows, rows, {"out": str(tmp_path), "names": names}, loop=report_env).fit()
+    build_trainer(cfg, rows, rows, {"out": str(tmp_path), "names": names}, loop=report_env).fit()
     seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(cfg.scaling.num_workers)]
     assert seen == [{"NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1", "DS_ACCELERATOR": "cpu"}] * 2

@@ -17,7 +17,7 @@ from raytrain_hymt.data.tokenize import (
     render_prompts,
     token_lists,
 )
-from raytrain_hymt.model import load_tokenizer
+from raytrain_hymt.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,8 @@ from mlflow_server import free_port, run_mlflow_server
 
 from conftest import tiny_overrides
 from raytrain_hymt.config import load_config
-from raytrain_hymt.trainer import RUN_FILE, run_training
+from raytrain_hymt.trainer import run_training
+from raytrain_hymt.runs import RUN_FILE
 
 pytestmark = pytest.mark.integration
 

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from raytrain_hymt.cli import main
-from raytrain_hymt.config import ConfigError, load_config
+from raytrain_hymt.config import load_config
+from raytrain_hymt.errors import ConfigError
 from raytrain_hymt.scoring import read_history
 
 from conftest import FLORES_DEVTEST

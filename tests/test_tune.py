@@ -15,22 +15,11 @@ import pytest
 import yaml
 
 from conftest import tiny_overrides
-from raytrain_hymt.config import ConfigError, load_config
-from raytrain_hymt.tune import (
-    BEST_PRESET,
-    STOPPED_EARLY_TAG,
-    TrialRow,
-    best_preset_yaml,
-    best_trial,
-    grid_points,
-    max_concurrent_trials,
-    num_trials,
-    run_search,
-    search_dimensions,
-    table_lines,
-    trial_config,
-    trial_resources,
-)
+from raytrain_hymt.config import load_config
+from raytrain_hymt.errors import ConfigError
+from raytrain_hymt.tune import BEST_PRESET, STOPPED_EARLY_TAG, run_search
+from raytrain_hymt.tune_plan import (TrialRow, best_preset_yaml, best_trial, grid_points, max_concurrent_trials, num_trials,
+                                     search_dimensions, table_lines, trial_config, trial_resources)
 
 # In the preset's order: each of the first three learns faster than the one before (so run one at a time,
 # ASHA keeps them), 1e-6 barely moves the random model (ASHA must stop it at its first rung).

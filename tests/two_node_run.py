@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import threading
 import time
@@ -22,14 +21,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fault_tolerance_common import overrides, read_records  # noqa: E402
+from mlflow_server import free_port  # noqa: E402
 
 KILL_AFTER_STEP = 5
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(storage: str, out_json: str) -> None:
@@ -47,7 +41,7 @@ def main(storage: str, out_json: str) -> None:
 
     record_dir = os.environ["HYMT_RECORD_DIR"]
     node_args = {"num_cpus": 1, "include_dashboard": False}
-    cluster = Cluster(initialize_head=True, head_node_args={**node_args, "gcs_server_port": _free_port()})
+    cluster = Cluster(initialize_head=True, head_node_args={**node_args, "gcs_server_port": free_port()})
     worker = cluster.add_node(**node_args)
     try:
         quiet_ray()

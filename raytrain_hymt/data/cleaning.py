@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from raytrain_hymt.config_sections import DataConfig
 from raytrain_hymt.languages import UnsupportedLanguageError, is_supported, resolve
 
 DROP_REASONS = (
@@ -54,28 +55,25 @@ def normalize_text(s: str) -> str:
     return unicodedata.normalize("NFC", s).strip()
 
 
+_DATA_DEFAULTS = {name: field.default for name, field in DataConfig.model_fields.items()}
+
+
 @dataclass(frozen=True)
 class CleaningRules:
-    """Which pairs :func:`clean_batch` marks for dropping. Lengths are in characters after normalisation."""
+    """Which pairs :func:`clean_batch` marks for dropping. Lengths are in characters after normalisation.
 
-    min_chars: int = 1
-    """Drop a pair whose shorter side has fewer characters."""
-    max_chars: int = 1000
-    """Drop a pair whose longer side has more characters."""
-    max_length_ratio: float = 4.0
-    """Drop a pair whose longer side is more than this many times the shorter, in weighted length: a
-    CJK character counts as 2 (for this ratio only) because it carries roughly a word, so one Chinese
-    character is fairer compared with about two Latin ones; raw counts would flag many good
-    English→Chinese pairs. 2 is conservative: Tatoeba eng-zho has a median of 3.2 English characters
-    per Chinese one, and 15 of its 10,058 supported pairs, all good (terse idioms like "井底之蛙。"),
-    still trip 4.0."""
+    The fields of the same names are ``data.*`` settings, documented and defaulted once in
+    :class:`~raytrain_hymt.config_sections.DataConfig`; the defaults here are read from there.
+    """
+
+    min_chars: int = _DATA_DEFAULTS["min_chars"]
+    max_chars: int = _DATA_DEFAULTS["max_chars"]
+    max_length_ratio: float = _DATA_DEFAULTS["max_length_ratio"]
     ratio_min_chars: int = 10
-    """The ratio applies only when the longer side's weighted length reaches this: short pairs
+    """The length ratio applies only when the longer side's weighted length reaches this: short pairs
     ("Go." / "走吧。") vary too much in length to judge."""
-    drop_identical: bool = True
-    """Drop pairs whose source equals the target (case-insensitive): untranslated copies."""
-    on_unsupported_language: Literal["drop", "error"] = "drop"
-    """A row in a language Hunyuan-MT does not know: mark it ``unsupported_language``, or raise."""
+    drop_identical: bool = _DATA_DEFAULTS["drop_identical"]
+    on_unsupported_language: Literal["drop", "error"] = _DATA_DEFAULTS["on_unsupported_language"]
 
     def __post_init__(self):
         if self.min_chars < 0 or self.max_chars < max(self.min_chars, 1):
@@ -87,6 +85,10 @@ class CleaningRules:
 
 
 def _weighted_length(s: str) -> int:
+    # A CJK character counts as 2 (for the length ratio only): it carries roughly a word, so one Chinese
+    # character is fairer compared with about two Latin ones; raw counts would flag many good
+    # English→Chinese pairs. Tatoeba eng-zho has a median of 3.2 English characters per Chinese one, and
+    # 15 of its 10,058 supported pairs, all good (terse idioms like "井底之蛙。"), still trip 4.0.
     return len(s) + len(_CJK.findall(s))
 
 

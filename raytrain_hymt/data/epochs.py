@@ -10,7 +10,7 @@ uninterrupted run would have trained next.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -35,3 +35,15 @@ def epoch_batches(windows: Iterable[dict[str, np.ndarray]], seed: int, epoch: in
         for start in range(0, n - global_rows + 1, global_rows):
             take = order[start : start + global_rows]
             yield {k: v[take] for k, v in rows.items()}
+
+
+def global_batches(read_epoch: Callable[[], Iterable[dict[str, np.ndarray]]], seed: int, epoch: int, skip: int,
+                   global_rows: int) -> Iterator[tuple[int, int, dict]]:
+    """``(epoch, index in epoch, global batch)`` from ``epoch`` on, without end: each epoch reads the
+    stream again (``read_epoch()`` gives its windows) in its own order; the first ``skip`` batches of the
+    first epoch, trained before a resume, are left out."""
+    while True:
+        for index, batch in enumerate(epoch_batches(read_epoch(), seed, epoch, global_rows)):
+            if index >= skip:
+                yield epoch, index, batch
+        epoch, skip = epoch + 1, 0

@@ -8,7 +8,7 @@ A fingerprint is a plain JSON-able dict::
      "prepared": {"path", "id"}}            # only with data.prepared_path: the manifest's id
 
 Files are named as their rows' ``example_id`` names them (relative to the source's root,
-``readers.namer``), and compared by size and content hash, never by where they live: the same corpus
+``sources.namer``), and compared by size and content hash, never by where they live: the same corpus
 mounted elsewhere is the same data. With ``data.prepared_path`` the sources and settings are the ones
 the dataset was prepared from (kept in its manifest) and the manifest id says which rows they are.
 
@@ -22,7 +22,9 @@ import hashlib
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
-from raytrain_hymt.config import Config, DataConfig, SourceConfig
+from raytrain_hymt.config import Config, DataConfig
+from raytrain_hymt.config_sections import SourceConfig
+from raytrain_hymt.storage import is_uri
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +46,7 @@ class DataChangedError(ValueError):
 def content_hash(path: str) -> str:
     """blake2b of a file's bytes as stored (a ``.gz`` file is hashed compressed), streamed in 4 MiB reads."""
     h = hashlib.blake2b()
-    if "://" in path:
+    if is_uri(path):
         import pyarrow.fs as pafs
 
         fs, inner = pafs.FileSystem.from_uri(path)
@@ -59,7 +61,8 @@ def content_hash(path: str) -> str:
 
 def source_files(source: SourceConfig) -> list[str]:
     """Every file a source reads (both sides of Moses pairs), as the readers find them."""
-    from raytrain_hymt.data.readers import expand_paths, hf_arrow_files, moses_pairs
+    from raytrain_hymt.data.sources import hf_arrow_files, moses_pairs
+    from raytrain_hymt.data.files import expand_paths
 
     if source.format == "moses":
         return [f for pair in moses_pairs(source) for f in pair]
@@ -75,7 +78,8 @@ def row_settings(data: DataConfig, tokenizer: str) -> dict:
 
 def sources_fingerprint(cfg: Config) -> dict:
     """Fingerprint of ``data.sources`` and the row settings (hashes every file, in parallel threads)."""
-    from raytrain_hymt.data.readers import file_size, namer
+    from raytrain_hymt.data.sources import namer
+    from raytrain_hymt.data.files import file_size
 
     data = cfg.data
     files = [(i, f) for i, source in enumerate(data.sources) for f in source_files(source)]
@@ -93,7 +97,7 @@ def data_fingerprint(cfg: Config) -> dict:
     """The fingerprint of the data ``cfg`` trains on: its sources, or its prepared dataset's manifest."""
     order = {"seed": cfg.data.seed, "epoch_shuffle_rows": cfg.data.epoch_shuffle_rows}
     if cfg.data.prepared_path:
-        from raytrain_hymt.data.prepare import read_manifest
+        from raytrain_hymt.data.prepared import read_manifest
 
         manifest = read_manifest(cfg.data.prepared_path)
         return {**manifest["fingerprint"], "order": order,

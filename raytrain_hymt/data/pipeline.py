@@ -3,7 +3,7 @@ sort by a seeded hash of the pair → per partition: dedup, weights, order → p
 
 The result is two datasets of training rows in a fixed order (same seed, same rows, same order on every
 run and worker count) plus the statistics of what was kept and dropped. Each training worker reads the
-whole ordered stream and takes its own slice of every global batch (``train_loop.rank_slice``), which
+whole ordered stream and takes its own slice of every global batch (``ranks.rank_slice``), which
 makes batches independent of the worker count and lets a restarted run skip exactly the rows it already
 trained on.
 
@@ -20,7 +20,7 @@ are given).
 
 ``build_datasets`` materializes its results (each training worker then reads the object store, not the
 pipeline again). For corpora larger than the cluster's object store, ``hymt prepare`` writes the rows to
-Parquet once (:mod:`raytrain_hymt.data.prepare`) and ``data.prepared_path`` streams them from there.
+Parquet once (:mod:`raytrain_hymt.prepare`, :mod:`raytrain_hymt.data.prepared`) and ``data.prepared_path`` streams them from there.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
@@ -37,7 +36,10 @@ from raytrain_hymt.config import Config, DataConfig
 from raytrain_hymt.data.cleaning import CleaningRules, check_bad_fraction, clean_batch, format_sample, pair_key, split_key
 from raytrain_hymt.data.packing import as_single_rows, pack_examples
 from raytrain_hymt.data.prompts import expand_directions
-from raytrain_hymt.data.readers import DataSourceError, file_size, plan_source, read_units
+from raytrain_hymt.data.sources import plan_source, read_units
+from raytrain_hymt.errors import DataSourceError
+from raytrain_hymt.data.files import file_size
+from raytrain_hymt.data.stats import DataStats, fill_row_stats
 from raytrain_hymt.data.tokenize import TokenizePairs
 
 log = logging.getLogger(__name__)
@@ -57,50 +59,6 @@ SORTED_COLUMNS = ("input_ids", "labels", "example_id", "source", "direction", "n
 #: Columns of the materialized tokenized dataset, in seeded order within each partition.
 TOKENIZED_COLUMNS = ("input_ids", "labels", "example_id", "num_tokens", "num_targets", "drop_reason", "is_val",
                      "primary", "sample")
-
-
-@dataclass
-class DataStats:
-    """What the pipeline read, kept and dropped (logged to MLflow as ``data.*``).
-
-    ``rows_read`` and every drop reason but ``too_many_tokens`` count corpus rows (each read once);
-    ``too_many_tokens`` and the ``*_examples`` count examples, i.e. after source weights and
-    ``both_directions`` multiplied them.
-    """
-
-    rows_read: int = 0
-    dropped: dict[str, int] = field(default_factory=dict)
-    train_examples: int = 0
-    val_examples: int = 0
-    train_rows: int = 0
-    val_rows: int = 0
-    train_tokens: int = 0
-    train_target_tokens: int = 0
-    largest_block_bytes: int = 0
-    """Bytes of the largest block of tokenized examples (one sort partition: what one task holds)."""
-
-    def as_metrics(self) -> dict[str, float]:
-        """Flat ``data.*`` numbers for MLflow."""
-        out = {
-            "data.rows_read": self.rows_read,
-            "data.train_examples": self.train_examples,
-            "data.val_examples": self.val_examples,
-            "data.train_rows": self.train_rows,
-            "data.val_rows": self.val_rows,
-            "data.train_tokens": self.train_tokens,
-            "data.train_target_tokens": self.train_target_tokens,
-            "data.largest_block_bytes": self.largest_block_bytes,
-        }
-        out.update({f"data.dropped.{k}": v for k, v in sorted(self.dropped.items())})
-        return {k: float(v) for k, v in out.items()}
-
-    def summary(self) -> str:
-        """One line for the console."""
-        dropped = ", ".join(f"{k} {v}" for k, v in sorted(self.dropped.items()) if v) or "none"
-        return (
-            f"data: read {self.rows_read} pairs; dropped {dropped}; train {self.train_examples} examples "
-            f"in {self.train_rows} rows ({self.train_tokens} tokens), validation {self.val_examples} examples"
-        )
 
 
 def cleaning_rules(data: DataConfig) -> CleaningRules:
@@ -429,17 +387,11 @@ def lazy_datasets(cfg: Config):
     return train, val, stats
 
 
-def fill_row_stats(stats: DataStats, train, val) -> DataStats:
-    """Count the rows of executed (materialized, or written) train/val datasets into ``stats``."""
-    stats.train_rows, stats.val_rows = train.count(), val.count()
-    return stats
-
-
 def build_datasets(cfg: Config):
     """Run the whole pipeline: ``(train_rows, val_rows, stats)``, both datasets materialized; or, with
     ``data.prepared_path``, stream the rows ``hymt prepare`` wrote (same columns, same order)."""
     if cfg.data.prepared_path:
-        from raytrain_hymt.data.prepare import read_prepared
+        from raytrain_hymt.data.prepared import read_prepared
 
         return read_prepared(cfg)
     train, val, stats = lazy_datasets(cfg)

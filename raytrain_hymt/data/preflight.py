@@ -1,7 +1,7 @@
 """The data sources and model paths checked on the driver before Ray starts (``hymt train/prepare/tune``).
 
 Every problem found becomes one line naming the field, the file, the value and, for a language code,
-the nearest valid one; all of them are raised together as one :class:`~raytrain_hymt.config.ConfigError`,
+the nearest valid one; all of them are raised together as one :class:`~raytrain_hymt.errors.ConfigError`,
 so nothing (no Ray session, run folder or MLflow run) exists yet when a typo is reported. Only cheap
 checks: files exist and open, the first lines fit the format, Moses partners have as many lines.
 Object-store URIs and hub ids are left to the readers (no credentials or network here).
@@ -13,9 +13,14 @@ import json
 import os
 from pathlib import Path
 
-from raytrain_hymt.config import Config, ConfigError, DataConfig, SourceConfig
-from raytrain_hymt.data.readers import DataSourceError, count_lines, expand_paths, moses_pairs, open_binary
+from raytrain_hymt.config import Config, DataConfig
+from raytrain_hymt.config_sections import SourceConfig
+from raytrain_hymt.errors import ConfigError
+from raytrain_hymt.data.sources import moses_pairs
+from raytrain_hymt.errors import DataSourceError
+from raytrain_hymt.data.files import count_lines, expand_paths, open_binary
 from raytrain_hymt.languages import LANGUAGES, is_supported, resolve
+from raytrain_hymt.storage import is_uri
 
 #: Lines of each file peeked at to see whether the format fits.
 PEEK_LINES = 5
@@ -145,7 +150,7 @@ def _source_problems(i: int, source: SourceConfig) -> list[str]:
     if languages_given and not problems and resolve(source.src_lang) == resolve(source.tgt_lang):
         problems.append(f"{field}: src_lang {source.src_lang!r} and tgt_lang {source.tgt_lang!r} are the same "
                         f"language ({resolve(source.src_lang).code}); a pair needs two languages")
-    if "://" in source.path or source.format == "hf_hub":
+    if is_uri(source.path) or source.format == "hf_hub":
         return problems
     if source.format == "hf_disk":
         if not Path(source.path).expanduser().is_dir():
@@ -194,7 +199,7 @@ def source_problems(data: DataConfig) -> list[str]:
 def looks_local(name_or_path: str) -> bool:
     """Whether a model value means a local folder: ``/x``, ``./x``, ``~/x``, ``a/b/c`` (hub ids are
     ``org/name``, one slash) or anything that exists here."""
-    if "://" in name_or_path:
+    if is_uri(name_or_path):
         return False
     return name_or_path.startswith(("/", ".", "~")) or name_or_path.count("/") > 1 or os.path.exists(name_or_path)
 
@@ -205,7 +210,7 @@ def model_problem(field: str, value: str | None) -> str | None:
         return None
     if not looks_local(value) and ":" not in value:
         return _hub_problem(field, value)
-    from raytrain_hymt.model import RANDOM_PREFIX, TINY_MODEL  # torch: only for the rare values that need it
+    from raytrain_hymt.tokenizer import RANDOM_PREFIX, TINY_MODEL  # torch: only for the rare values that need it
 
     if value == TINY_MODEL:
         return None
@@ -256,7 +261,7 @@ def trained_directions(data: DataConfig) -> list[str]:
             found = [(source.src_lang, source.tgt_lang)]
         else:
             try:
-                files = expand_paths(source.path) if source.format == "tatoeba" and "://" not in source.path else []
+                files = expand_paths(source.path) if source.format == "tatoeba" and not is_uri(source.path) else []
                 cols = [line.split("\t") for path in files[:1] for line in _peek(path, 500)]
             except (OSError, DataSourceError):
                 cols = []

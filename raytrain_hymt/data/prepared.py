@@ -1,4 +1,4 @@
-"""``hymt prepare``: run the data pipeline once and keep its training rows as Parquet.
+"""Prepared datasets: the training rows of one ``hymt prepare`` (:mod:`raytrain_hymt.prepare`), kept as Parquet.
 
 Layout of a prepared dataset (a local folder or any pyarrow filesystem URI)::
 
@@ -29,11 +29,11 @@ import logging
 import re
 import uuid
 from dataclasses import asdict
-from pathlib import Path
 
 from raytrain_hymt.config import Config
-from raytrain_hymt.data.pipeline import DataStats, fill_row_stats, lazy_datasets
-from raytrain_hymt.data.readers import DataSourceError
+from raytrain_hymt.errors import DataSourceError
+from raytrain_hymt.data.stats import DataStats, fill_row_stats
+from raytrain_hymt.storage import is_uri
 
 log = logging.getLogger(__name__)
 
@@ -64,14 +64,14 @@ def _fs(path: str):
     """``(pyarrow filesystem, path on it)`` of a local folder or URI."""
     import pyarrow.fs as pafs
 
-    if "://" in path:
+    if is_uri(path):
         return pafs.FileSystem.from_uri(path)
     return pafs.LocalFileSystem(), path
 
 
 def _write_text(path: str, text: str) -> None:
     """Write a file whole: a local file through a rename, an object in one upload."""
-    if "://" in path:
+    if is_uri(path):
         fs, inner = _fs(path)
         with fs.open_output_stream(inner) as f:
             f.write(text.encode())
@@ -84,7 +84,7 @@ def _write_text(path: str, text: str) -> None:
 
 
 def _read_text(path: str) -> str:
-    from raytrain_hymt.data.readers import open_binary
+    from raytrain_hymt.data.files import open_binary
 
     with open_binary(path) as f:
         return f.read().decode("utf-8")
@@ -96,17 +96,6 @@ def _entries(out: str) -> list:
 
     fs, inner = _fs(out)
     return fs.get_file_info(pafs.FileSelector(inner, allow_not_found=True))
-
-
-def _check_target(out: str, overwrite: bool) -> None:
-    entries = _entries(out)
-    if entries and not overwrite:
-        names = sorted(e.base_name for e in entries)
-        what = "a prepared dataset" if MANIFEST_FILE in names else f"{len(names)} entries: {', '.join(names[:5])}"
-        raise PreparedDatasetExists(
-            f"hymt prepare: {out} is not empty ({what}); a second dataset is never mixed into it. Pass "
-            "--overwrite to replace it, or prepare into an empty or new folder"
-        )
 
 
 def _written_files(out: str, folder: str) -> list[str]:
@@ -123,22 +112,9 @@ def _manifest_id(record: dict) -> str:
     return hashlib.blake2b(json.dumps(record, sort_keys=True).encode(), digest_size=16).hexdigest()
 
 
-def prepare_dataset(cfg: Config, out: str, overwrite: bool = False) -> DataStats:
-    """Read, clean, tokenize, split, order and pack the configured sources and publish them as a
-    prepared dataset in ``out`` (see the module docstring); ``overwrite`` replaces what ``out`` holds."""
-    from raytrain_hymt.data.fingerprint import sources_fingerprint
-    from raytrain_hymt.trainer import init_ray
-
-    if cfg.data.prepared_path:
-        raise DataSourceError("data.prepared_path is set: prepare reads data.sources; unset it to prepare again")
-    if "://" not in out:
-        out = str(Path(out).expanduser().resolve())
-    _check_target(out, overwrite)  # before Ray starts or any file is read
-    fingerprint = sources_fingerprint(cfg)
-    if "://" not in out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-    init_ray(cfg)
-    train, val, stats = lazy_datasets(cfg)
+def write_prepared(cfg: Config, out: str, train, val, stats: DataStats, fingerprint: dict) -> DataStats:
+    """Write ``train``/``val`` (Ray Datasets) as Parquet into a fresh folder of ``out``, then commit them
+    with a new manifest and delete what an earlier dataset left; the statistics with the row counts."""
     write_id = f"w-{uuid.uuid4().hex[:12]}"
     # Packed from the materialized, ordered examples straight into files: the packed rows are never
     # materialized as a whole.
@@ -155,6 +131,18 @@ def prepare_dataset(cfg: Config, out: str, overwrite: bool = False) -> DataStats
     _delete_all_but(out, {MANIFEST_FILE, STATS_FILE, write_id})
     log.info("prepared dataset written to %s (manifest %s)", out, manifest["id"])
     return stats
+
+
+def check_target(out: str, overwrite: bool) -> None:
+    """Refuse a non-empty ``out`` unless ``overwrite`` (a second dataset is never mixed into a first)."""
+    entries = _entries(out)
+    if entries and not overwrite:
+        names = sorted(e.base_name for e in entries)
+        what = "a prepared dataset" if MANIFEST_FILE in names else f"{len(names)} entries: {', '.join(names[:5])}"
+        raise PreparedDatasetExists(
+            f"hymt prepare: {out} is not empty ({what}); a second dataset is never mixed into it. Pass "
+            "--overwrite to replace it, or prepare into an empty or new folder"
+        )
 
 
 def _delete_all_but(out: str, keep: set[str]) -> None:

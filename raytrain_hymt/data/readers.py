@@ -22,19 +22,15 @@ Reading streams: one read task per file (per file pair for Moses), each yielding
 from __future__ import annotations
 
 import csv
-import fnmatch
-import gzip
 import hashlib
-import io
 import json
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import pyarrow as pa
 
-from raytrain_hymt.config import SourceConfig
-from raytrain_hymt.sample import SAMPLE_CORPUS
+from raytrain_hymt.data.files import (FileName, decoded_lines, open_random_access)
+from raytrain_hymt.errors import DataSourceError
 
 LINES_PER_BLOCK = 8192
 PAIR_COLUMNS = ("src", "tgt", "src_lang", "tgt_lang", "origin", "example_id", "source", "drop_reason")
@@ -44,10 +40,6 @@ PAIR_SCHEMA = pa.schema(list(zip(PAIR_COLUMNS, _TYPES)))
 SAMPLE_CHARS = 200
 
 
-class DataSourceError(ValueError):
-    """A corpus that cannot be read: missing files, mismatched Moses files, unknown columns."""
-
-
 def example_id(source_index: int, where: str) -> int:
     """Stable signed 64-bit id of a row from ``<stable file name>:<line or row>`` (same bytes → same id
     on every machine and run)."""
@@ -55,124 +47,8 @@ def example_id(source_index: int, where: str) -> int:
     return int.from_bytes(digest, "little", signed=True)
 
 
-@dataclass(frozen=True)
-class FileName:
-    """How a file is named in its rows: ``display`` in messages (``origin``: the path the user gave,
-    resolved), ``stable`` in ``example_id`` (relative to the source's own root, never an absolute or
-    cache path, so a corpus copied or mounted elsewhere keeps its ids and its order)."""
-
-    display: str
-    stable: str
-
-
-def source_root(pattern: str) -> str:
-    """The folder a source's files are named relative to: its path or URI up to the last ``/`` before
-    the first glob character (``/data/wmt/*.tsv`` → ``/data/wmt``; a single file or Moses prefix → its
-    folder); local paths resolved, as :func:`expand_paths` resolves the files."""
-    cut = min((pattern.index(ch) for ch in "*?[" if ch in pattern), default=len(pattern))
-    root = pattern[:cut].rsplit("/", 1)[0] if "/" in pattern[:cut] else ""
-    if "://" in pattern:
-        return root
-    return str(Path(root or ".").expanduser().resolve())
-
-
-def file_name(path: str, root: str) -> FileName:
-    """``path`` named for messages (as is) and for ids (relative to ``root``; its base name when outside)."""
-    prefix = root.rstrip("/") + "/"
-    return FileName(path, path[len(prefix):] if path.startswith(prefix) else path.rsplit("/", 1)[-1])
-
-
-def _is_glob(pattern: str) -> bool:
-    return any(ch in pattern for ch in "*?[")
-
-
-def expand_paths(pattern: str, *, required: bool = True) -> list[str]:
-    """Files matching a path, glob or URI, sorted (a fixed order keeps the data order deterministic).
-
-    ``required``: raise :class:`DataSourceError` when nothing matches (else return ``[]``).
-    """
-    if pattern == "sample:":
-        return [str(SAMPLE_CORPUS)]
-    if "://" in pattern:
-        import pyarrow.fs as pafs
-
-        scheme, rest = pattern.split("://", 1)
-        try:
-            fs, _ = pafs.FileSystem.from_uri(pattern.split("*")[0].rsplit("/", 1)[0] + "/")
-        except (pa.ArrowInvalid, OSError) as e:
-            raise DataSourceError(f"data source {pattern!r}: cannot open its filesystem: {e}") from None
-        # from_uri keeps the host part of a local URI out of the path; object stores keep the bucket in it.
-        inner = rest if scheme != "file" else "/" + rest.lstrip("/")
-        if _is_glob(pattern):
-            base = inner.split("*")[0].rsplit("/", 1)[0]
-            infos = fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
-            found = [f"{scheme}://{i.path}" for i in infos if i.is_file and fnmatch.fnmatch(i.path, inner)]
-        else:
-            found = [pattern] if fs.get_file_info(inner).is_file else []
-    else:
-        path = Path(pattern).expanduser()
-        if _is_glob(pattern):
-            anchor = Path(path.anchor) if path.is_absolute() else Path(".")
-            rel = str(path.relative_to(path.anchor)) if path.is_absolute() else str(path)
-            found = [str(p.resolve()) for p in anchor.glob(rel) if p.is_file()]
-        else:
-            found = [str(path.resolve())] if path.is_file() else []
-    if not found and required:
-        raise DataSourceError(f"data source {pattern!r}: no such file (or the glob matched nothing)")
-    return sorted(found)
-
-
-def _filesystem(path: str):
-    import pyarrow.fs as pafs
-
-    return pafs.FileSystem.from_uri(path)
-
-
-def open_binary(path: str) -> io.BufferedIOBase:
-    """Open a local path or pyarrow-filesystem URI for reading bytes; ``.gz`` is decompressed."""
-    if "://" in path:
-        fs, inner = _filesystem(path)
-        # pyarrow streams read bytes but cannot iterate lines; a BufferedReader can.
-        raw: io.BufferedIOBase = io.BufferedReader(fs.open_input_stream(inner))
-    else:
-        raw = open(path, "rb")
-    return _ClosingGzip(raw) if path.endswith(".gz") else raw
-
-
-class _ClosingGzip(gzip.GzipFile):
-    """A GzipFile that also closes the stream it reads (``GzipFile(fileobj=...)`` leaves it open)."""
-
-    def __init__(self, raw):
-        super().__init__(fileobj=raw)
-        self._raw = raw
-
-    def close(self) -> None:
-        try:
-            super().close()
-        finally:
-            self._raw.close()
-
-
-def open_random_access(path: str):
-    """A seekable file (Parquet needs one) for a local path or a pyarrow-filesystem URI."""
-    if "://" in path:
-        fs, inner = _filesystem(path)
-        return fs.open_input_file(inner)
-    return pa.OSFile(path, "rb")
-
-
-def count_lines(path: str) -> int:
-    """Lines in a (possibly gzipped) text file, as Python's line iteration counts them."""
-    n, last = 0, b"\n"
-    with open_binary(path) as f:
-        while chunk := f.read(1 << 20):
-            n += chunk.count(b"\n")
-            last = chunk[-1:]
-    return n + (last != b"\n")
-
-
-# ---------------------------------------------------------------------------------------------------
-# Rows → blocks
+# A line parser: the pair's (src, tgt, src_lang, tgt_lang), or a string saying what is wrong with it.
+LineParser = Callable[[str], "tuple[str, str, str, str] | str"]
 
 
 class _Blocks:
@@ -208,24 +84,6 @@ class _Blocks:
         return table
 
 
-def _decoded_lines(path: str) -> Iterator[tuple[int, str, bool]]:
-    """``(line number, text without the line end, decoded cleanly)`` of a text file; a UTF-8 byte order
-    mark (Windows editors write one) is not part of the first line's text."""
-    with open_binary(path) as f:
-        for lineno, raw in enumerate(f, start=1):
-            raw = raw.rstrip(b"\r\n")
-            if lineno == 1:
-                raw = raw.removeprefix(b"\xef\xbb\xbf")
-            try:
-                yield lineno, raw.decode("utf-8"), True
-            except UnicodeDecodeError:
-                yield lineno, raw.decode("utf-8", errors="replace"), False
-
-
-# A line parser: the pair's (src, tgt, src_lang, tgt_lang), or a string saying what is wrong with it.
-LineParser = Callable[[str], "tuple[str, str, str, str] | str"]
-
-
 def tatoeba_parser(default_src: str | None, default_tgt: str | None) -> LineParser:
     """``src_lang<TAB>tgt_lang<TAB>src<TAB>tgt`` → fields; a problem string for a malformed line."""
 
@@ -250,11 +108,11 @@ def delimited_parser(sep: str, src_lang: str, tgt_lang: str) -> LineParser:
     return parse
 
 
-def read_lines(path: str, source_index: int, parse: LineParser, name: FileName) -> Iterator[pa.Table]:
+def read_line_tables(path: str, source_index: int, parse: LineParser, name: FileName) -> Iterator[pa.Table]:
     """Stream one line-based file as blocks of pairs; unparseable lines become counted drop rows.
     Blank lines (e.g. a trailing one) are not data and are skipped."""
     blocks = _Blocks(source_index, name)
-    for lineno, line, ok in _decoded_lines(path):
+    for lineno, line, ok in decoded_lines(path):
         if not line.strip():
             continue
         fields = parse(line) if ok else "not valid UTF-8"
@@ -279,7 +137,7 @@ def read_csv(path: str, source_index: int, src_lang: str, tgt_lang: str, name: F
     state = {"first": 0, "last": 0, "bad_utf8": False, "text": []}
 
     def lines() -> Iterator[str]:
-        for lineno, line, ok in _decoded_lines(path):
+        for lineno, line, ok in decoded_lines(path):
             if not state["first"]:
                 state["first"] = lineno
             state["last"] = lineno
@@ -317,7 +175,7 @@ def read_moses(src_path: str, tgt_path: str, source_index: int, src_lang: str, t
     """Stream a Moses file pair line by line. Every line is a row (an empty side is dropped later as
     ``empty``, so the alignment is never shifted); ``origin`` (``name``) names the source-side file."""
     blocks = _Blocks(source_index, name)
-    src_lines, tgt_lines = _decoded_lines(src_path), _decoded_lines(tgt_path)
+    src_lines, tgt_lines = decoded_lines(src_path), decoded_lines(tgt_path)
     for (lineno, src, ok_src), (_, tgt, ok_tgt) in zip(src_lines, tgt_lines, strict=True):
         if ok_src and ok_tgt:
             out = blocks.add(src, tgt, src_lang, tgt_lang, lineno)
@@ -365,7 +223,7 @@ def read_jsonl(path: str, source_index: int, columns: Columns, name: FileName) -
     """Stream a JSON-lines file: one object per line; a line that is not an object with both texts is
     ``malformed`` (its ``src`` says why)."""
     blocks = _Blocks(source_index, name)
-    for lineno, line, ok in _decoded_lines(path):
+    for lineno, line, ok in decoded_lines(path):
         if not line.strip():
             continue
         if not ok:
@@ -443,166 +301,3 @@ def arrow_stream_batches(path: str) -> Iterator[pa.RecordBatch]:
 
 # ---------------------------------------------------------------------------------------------------
 # Planning: source config → read units (one per file or file pair)
-
-
-@dataclass(frozen=True)
-class ReadUnit:
-    """One read task: a function producing blocks, and the files it reads (for Ray's metadata)."""
-
-    read: Callable[[], Iterator[pa.Table]]
-    files: tuple[str, ...]
-
-
-def _languages(source: SourceConfig) -> tuple[str, str]:
-    if source.src_lang is None or source.tgt_lang is None:
-        raise DataSourceError(
-            f"data source {source.path!r} (format {source.format}): set src_lang and tgt_lang, "
-            "the rows do not carry their languages"
-        )
-    return source.src_lang, source.tgt_lang
-
-
-def moses_pairs(source: SourceConfig) -> list[tuple[str, str]]:
-    """``(<prefix>.<src_lang>, <prefix>.<tgt_lang>)`` file pairs of a Moses source (``.gz`` allowed); a
-    missing partner is a :class:`DataSourceError`."""
-    src_lang, tgt_lang = _languages(source)
-    pairs = []
-    for gz in ("", ".gz"):
-        for src_file in expand_paths(f"{source.path}.{src_lang}{gz}", required=False):
-            tgt_file = src_file[: len(src_file) - len(f".{src_lang}{gz}")] + f".{tgt_lang}{gz}"
-            if not expand_paths(tgt_file, required=False):
-                raise DataSourceError(f"Moses source {source.path!r}: {src_file} has no partner {tgt_file}")
-            pairs.append((src_file, tgt_file))
-    if not pairs:
-        raise DataSourceError(
-            f"Moses source {source.path!r}: no files {source.path}.{src_lang} (or .{src_lang}.gz) found"
-        )
-    return sorted(pairs)
-
-
-def check_moses_line_counts(pairs: list[tuple[str, str]]) -> None:
-    """Count the lines of every Moses file pair in parallel Ray tasks (a fast pre-pass when the dataset
-    is planned, before any training) and raise :class:`DataSourceError` naming both files and both
-    counts when a pair differs."""
-    import ray
-
-    counter = ray.remote(num_cpus=0.5)(count_lines)
-    files = [f for pair in pairs for f in pair]
-    counts = dict(zip(files, ray.get([counter.remote(f) for f in files])))
-    bad = [f"{s} has {counts[s]} lines but {t} has {counts[t]}" for s, t in pairs if counts[s] != counts[t]]
-    if bad:
-        raise DataSourceError("Moses files are not line-aligned: " + "; ".join(bad))
-
-
-def hf_arrow_files(source: SourceConfig) -> list[str]:
-    """The Arrow files behind a Hugging Face dataset: a ``save_to_disk`` folder (``hf_disk``) or a
-    ``load_dataset`` name resolved through the local cache or the hub (``hf_hub``)."""
-    import datasets
-
-    try:
-        if source.format == "hf_disk":
-            ds = datasets.load_from_disk(source.path)
-        else:
-            ds = datasets.load_dataset(source.path, split=source.split)
-    except FileNotFoundError as e:
-        raise DataSourceError(f"data source {source.path!r} ({source.format}): not found: {e}") from None
-    except Exception as e:  # noqa: BLE001 - hub errors come in many types (offline, 404, auth): say which
-        raise DataSourceError(
-            f"data source {source.path!r} (hf_hub): load_dataset failed: {type(e).__name__}: {e}. "
-            "Offline, a hub dataset must already be in the Hugging Face cache (HF_DATASETS_CACHE); "
-            "or save it with save_to_disk and use format hf_disk."
-        ) from None
-    if isinstance(ds, datasets.DatasetDict):
-        if source.split not in ds:
-            raise DataSourceError(f"data source {source.path!r}: no split {source.split!r} (splits: {', '.join(ds)})")
-        ds = ds[source.split]
-    files = [f["filename"] for f in ds.cache_files]
-    if not files:
-        raise DataSourceError(f"data source {source.path!r}: the dataset is held in memory only, no Arrow files to stream")
-    return files
-
-
-def namer(source: SourceConfig) -> Callable[[str], FileName]:
-    """How the files of ``source`` are named in rows (:class:`FileName`): the bundled sample by its own
-    name, a Hugging Face hub dataset's cache files by their base names (the cache folder is no part of
-    the data), every other file relative to the source's root (its folder, for ``hf_disk``)."""
-    if source.path == "sample:":
-        return lambda path: FileName("sample:tatoeba-eng-zho.tsv", "sample:tatoeba-eng-zho.tsv")
-    if source.format == "hf_hub":
-        return lambda path: FileName(path, path.rsplit("/", 1)[-1])
-    root = str(Path(source.path).expanduser().resolve()) if source.format == "hf_disk" else source_root(source.path)
-    return lambda path: file_name(str(Path(path).resolve()) if source.format == "hf_disk" else path, root)
-
-
-def plan_source(source: SourceConfig, source_index: int) -> list[ReadUnit]:
-    """The read tasks of one configured source. Checks what can be checked before reading (files exist,
-    Moses line counts, languages given); row-level problems are found while reading."""
-    fmt = source.format
-    name = namer(source)
-    if fmt == "moses":
-        src_lang, tgt_lang = _languages(source)
-        pairs = moses_pairs(source)
-        check_moses_line_counts(pairs)
-        return [ReadUnit(lambda s=s, t=t: read_moses(s, t, source_index, src_lang, tgt_lang, name(s)), (s, t))
-                for s, t in pairs]
-    if fmt in ("hf_disk", "hf_hub"):
-        files = hf_arrow_files(source)
-    else:
-        files = expand_paths(source.path)
-
-    if fmt == "tatoeba":
-        parse = tatoeba_parser(source.src_lang, source.tgt_lang)
-        return [ReadUnit(lambda p=p: read_lines(p, source_index, parse, name(p)), (p,)) for p in files]
-    src_lang, tgt_lang = _languages(source)
-    if fmt == "tsv":
-        parse = delimited_parser("\t", src_lang, tgt_lang)
-        return [ReadUnit(lambda p=p: read_lines(p, source_index, parse, name(p)), (p,)) for p in files]
-    if fmt == "csv":
-        return [ReadUnit(lambda p=p: read_csv(p, source_index, src_lang, tgt_lang, name(p)), (p,)) for p in files]
-    columns = Columns(source.src_column, source.tgt_column, src_lang, tgt_lang)
-    if fmt == "jsonl":
-        return [ReadUnit(lambda p=p: read_jsonl(p, source_index, columns, name(p)), (p,)) for p in files]
-    if fmt == "parquet":
-        return [ReadUnit(lambda p=p: read_batches(parquet_batches(p, columns), source_index, columns, name(p)), (p,))
-                for p in files]
-    return [ReadUnit(lambda p=p: read_batches(arrow_stream_batches(p), source_index, columns, name(p)), (p,)) for p in files]
-
-
-def _planned_datasource(units: list[ReadUnit]):
-    from ray.data.block import BlockMetadata
-    from ray.data.datasource import Datasource, ReadTask
-
-    class PlannedFiles(Datasource):
-        """One Ray read task per :class:`ReadUnit`, in plan order."""
-
-        def estimate_inmemory_data_size(self):
-            return None
-
-        def get_read_tasks(self, parallelism, per_task_row_limit=None, data_context=None):
-            tasks = []
-            for unit in units:
-                meta = BlockMetadata(num_rows=None, size_bytes=None, input_files=list(unit.files), exec_stats=None)
-                tasks.append(ReadTask(unit.read, meta, schema=PAIR_SCHEMA, per_task_row_limit=per_task_row_limit))
-            return tasks
-
-    return PlannedFiles()
-
-
-def read_units(units: list[ReadUnit]):
-    """Planned read tasks as a Ray Dataset of pairs (one read task per unit, streamed in blocks)."""
-    import ray.data
-
-    return ray.data.read_datasource(_planned_datasource(units), override_num_blocks=len(units))
-
-
-def read_source(source: SourceConfig, source_index: int):
-    """One configured source as a Ray Dataset of pairs (one read task per file, streamed in blocks)."""
-    return read_units(plan_source(source, source_index))
-
-
-def file_size(path: str) -> int:
-    """Bytes of a local file or pyarrow-filesystem URI."""
-    if "://" in path:
-        fs, inner = _filesystem(path)
-        return fs.get_file_info(inner).size
-    return Path(path).stat().st_size

@@ -17,9 +17,8 @@ from itertools import chain
 import numpy as np
 import pyarrow as pa
 
+from raytrain_hymt.data.packing import IGNORE_INDEX
 from raytrain_hymt.data.prompts import build_prompt
-
-IGNORE_INDEX = -100
 #: Columns the tokenizer consumes: its output keeps every other input column plus the token columns.
 TEXT_COLUMNS = ("src", "tgt", "src_lang", "tgt_lang")
 _PROBE = "\x00ANSWER\x00"
@@ -105,7 +104,7 @@ class TokenizePairs:
     """
 
     def __init__(self, tokenizer_name: str, max_example_tokens: int, trust_remote_code: bool = False):
-        from raytrain_hymt.model import load_tokenizer
+        from raytrain_hymt.tokenizer import load_tokenizer
 
         self.tokenizer = load_tokenizer(tokenizer_name, trust_remote_code=trust_remote_code)
         self.suffix = answer_suffix(self.tokenizer)

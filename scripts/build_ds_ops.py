@@ -1,4 +1,4 @@
-"""Build DeepSpeed's JIT C++ ops once, before training or tests need them (``python -m raytrain_hymt.ops``).
+"""Build DeepSpeed's JIT C++ ops once, before training or tests need them (``python scripts/build_ds_ops.py``; ``make install`` runs it).
 
 On CPU every DeepSpeed run needs ``shm_comm`` and optimizer offload needs ``cpu_adam``; each takes
 20-70 s and several GB of RAM to compile the first time. Building them up front keeps that cost out of
