@@ -47,12 +47,14 @@ def cmd_train(args) -> int:
 
 def cmd_prepare(args) -> int:
     """Run the data pipeline once and write training-ready rows to Parquet."""
+    from raytrain_hymt import data_progress
     from raytrain_hymt.prepare import prepare_dataset
     from raytrain_hymt.data.preflight import check_inputs
 
     cfg = _load(args)
     check_inputs(cfg)  # before Ray starts or OUT is created
-    stats = prepare_dataset(cfg, args.out, overwrite=args.overwrite)
+    with data_progress.showing():
+        stats = prepare_dataset(cfg, args.out, overwrite=args.overwrite)
     print(stats.summary())
     print(f"prepared dataset: {args.out}  (train on it with --set data.prepared_path={args.out})")
     return 0

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -72,13 +71,6 @@ class EvalResult:
         return out
 
 
-def _no_restarts() -> dict:
-    # A failed replica fails the evaluation loudly; with restarts allowed Ray also logs an error line per
-    # replica about its constructor arguments. Ray 2.60 has no named parameter for this yet (the remote-args
-    # hook is deprecated for 2.64, hence the warning filter where it is passed).
-    return {"max_restarts": 0}
-
-
 def translate(rows: list[dict], cfg, model: str, sample: bool = False) -> tuple[list[str], list[str]]:
     """Hypotheses for ``rows`` (in their order), from a Ray Data actor pool of ``cfg.eval.workers`` replicas,
     and per row the error that stopped its translation ("" when none).
@@ -92,6 +84,7 @@ def translate(rows: list[dict], cfg, model: str, sample: bool = False) -> tuple[
 
     import ray.data
 
+    from raytrain_hymt.data.actor_pool import map_on_actors
     from raytrain_hymt.generation import COPY_PREFIX, batches_longest_first
 
     e = cfg.eval
@@ -103,19 +96,16 @@ def translate(rows: list[dict], cfg, model: str, sample: bool = False) -> tuple[
     ordered = [rows[i] for b in batches_longest_first([r["src"] for r in rows], e.batch_size) for i in b]
     ds = ray.data.from_items([{k: r[k] for k in ("id", "src", "src_lang", "tgt_lang")} for r in ordered])
     gpu = cfg.scaling.use_gpu
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*ray_remote_args_fn.*")
-        out = ds.map_batches(
-            Translator,
-            fn_constructor_kwargs=dict(model=model, precision=cfg.deepspeed.precision,
-                                       max_new_tokens=e.max_new_tokens, use_gpu=gpu,
-                                       trust_remote_code=cfg.model.trust_remote_code, copy_token=token,
-                                       sample=sample),
-            batch_size=e.batch_size, batch_format="numpy", compute=ray.data.ActorPoolStrategy(size=workers),
-            num_gpus=1 if gpu else 0, num_cpus=1,
-            ray_remote_args_fn=_no_restarts,
-            **({"runtime_env": {"env_vars": cfg.scaling.env}} if cfg.scaling.env else {}),
-        )
+    # A failed replica fails the evaluation loudly (data/actor_pool.py: why the replicas are never restarted).
+    out = map_on_actors(
+        ds, Translator, workers,
+        fn_constructor_kwargs=dict(model=model, precision=cfg.deepspeed.precision,
+                                   max_new_tokens=e.max_new_tokens, use_gpu=gpu,
+                                   trust_remote_code=cfg.model.trust_remote_code, copy_token=token,
+                                   sample=sample),
+        batch_size=e.batch_size, batch_format="numpy", num_gpus=1 if gpu else 0, num_cpus=1,
+        **({"runtime_env": {"env_vars": cfg.scaling.env}} if cfg.scaling.env else {}),
+    )
     try:
         by_id = {int(r["id"]): (str(r["hyp"]), str(r["error"])) for r in out.iter_rows()}
     finally:
@@ -202,9 +192,10 @@ def evaluate_run(cfg, model: str | None = None) -> EvalResult:
         model, step, status_if_failed = summary["model_dir"], int(summary.get("steps", 0)), "FINISHED"
         started_locally = init_ray(cfg)
         saved = json.loads(folder.read_text(RUN_FILE) or "{}")
-        tracker = make_tracker(cfg.tracking.enabled and bool(saved.get("mlflow_run_id")),
+        tracker = make_tracker(cfg.tracking.enabled and bool(saved.get("mlflow_run_id") or saved.get("mlflow_run_key")),
                                tracking_uri=saved.get("tracking_uri"), experiment=cfg.tracking.experiment,
-                               run_name=cfg.run.name, run_id=saved.get("mlflow_run_id"), local_dir=folder.local,
+                               run_name=cfg.run.name, run_id=saved.get("mlflow_run_id"),
+                               run_key=saved.get("mlflow_run_key"), local_dir=folder.local,
                                retry_interval_s=cfg.tracking.retry_interval_s, new_measurements=True)
     else:
         cfg.run.name = cfg.run.name or f"eval-{Path(model.rstrip('/')).name}"

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from raytrain_hymt.errors import ConfigError
+from raytrain_hymt.metrics_log import read_metrics
 
 #: (panel title, y label, the metric keys it draws: exact names, or a ``*/suffix`` pattern).
 PANELS = (
@@ -39,15 +40,7 @@ def _points(triples) -> Series:
 
 def read_metrics_jsonl(path: Path) -> Series:
     """Every metric of a ``metrics.jsonl``; a cut-off last line (a crash mid-write) is ignored."""
-    triples = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if rec.get("kind") == "metric" and rec.get("step") is not None:
-            triples.append((rec["key"], rec["step"], rec["value"]))
-    return _points(triples)
+    return _points((key, step, value) for key, value, step, _ in read_metrics(path))
 
 
 def read_run(storage_root: str, name: str) -> Series:

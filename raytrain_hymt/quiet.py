@@ -8,7 +8,7 @@ What goes, and how:
   log files (``/tmp/ray/session_latest/logs``); rank 0 publishes its progress and warnings to the driver
   instead (``progress.py``);
 * Python loggers other than the project's below WARNING, and Ray's own warnings on the driver;
-* Ray Data's per-operator bars (the driver keeps Ray Data's one global bar on a terminal);
+* Ray Data's bars, global and per operator (data preparation draws one bar of its own: ``data_progress.py``);
 * DeepSpeed's "Setting accelerator to CPU" warning on a driver without GPUs (it picks the CPU anyway);
 * transformers' shard-loading and shard-writing bars, and DeepSpeed's at export (:func:`no_bars`).
 """
@@ -69,8 +69,8 @@ def quiet_ray(driver: bool = False) -> None:
     import ray.data
 
     ctx = ray.data.DataContext.get_current()
-    # One bar for data preparation on the driver's terminal: Ray Data's global one, no operator bars.
-    ctx.enable_progress_bars = driver and sys.stderr.isatty()
+    # Data preparation draws one bar of its own in place of Ray Data's (raytrain_hymt.data_progress).
+    ctx.enable_progress_bars = False
     ctx.enable_operator_progress_bars = False
     ctx.print_on_execution_start = False
     for name in NOISY_LOGGERS:

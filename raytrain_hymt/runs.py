@@ -1,13 +1,15 @@
 """A run's folder as the driver sees it: its name, its MLflow run (``run.json``) and its summary.
 
 A run lives in ``<storage_root>/<name>/``: Ray's checkpoints (``checkpoint_step*``), ``run.json`` (the
-MLflow run id, so a re-submitted job continues the same MLflow run), ``config.yaml``, ``model/`` (the
-exported Hugging Face folder) and ``summary.json`` (written last; a finished run prints it and exits).
+MLflow run id and the job's key, so a re-submitted job continues the same MLflow run), ``config.yaml``,
+``model/`` (the exported Hugging Face folder) and ``summary.json`` (written last; a finished run prints it
+and exits).
 """
 
 from __future__ import annotations
 
 import json
+import uuid
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -64,24 +66,26 @@ def run_name(cfg: Config) -> str:
 
 
 def start_tracking(cfg: Config, run_dir: Path, parent_run_id: str | None = None, new_measurements: bool = False):
-    """Create or resume (id in ``<run_dir>/run.json``) the MLflow run of ``run_dir``; log its config.
+    """Create or resume (id and key in ``<run_dir>/run.json``) the MLflow run of ``run_dir``; log its config.
 
     Returns ``(tracker, tracking_uri)``; ``(NullTracker, None)`` when tracking is off. ``parent_run_id``
     makes it a child run (a search's trial); ``new_measurements``: see ``Tracker.start``.
     """
-    from raytrain_hymt.tracking import make_tracker, resolve_tracking_uri
+    from raytrain_hymt.tracking import make_tracker
+    from raytrain_hymt.tracking_store import resolve_tracking_uri
 
     if not cfg.tracking.enabled:
         return make_tracker(False), None
     uri = resolve_tracking_uri(cfg.tracking.tracking_uri, cfg.run.storage_path)
     saved = json.loads((run_dir / RUN_FILE).read_text()) if (run_dir / RUN_FILE).exists() else {}
+    run_key = saved.get("mlflow_run_key") or uuid.uuid4().hex  # finds the run while its id is unknown (server down)
     tracker = make_tracker(
         True, tracking_uri=uri, experiment=cfg.tracking.experiment, run_name=cfg.run.name,
-        run_id=saved.get("mlflow_run_id"), local_dir=run_dir, tensorboard=False,
+        run_id=saved.get("mlflow_run_id"), run_key=run_key, local_dir=run_dir, tensorboard=False,
         parent_run_id=parent_run_id, retry_interval_s=cfg.tracking.retry_interval_s,
         new_measurements=new_measurements,
     )
-    (run_dir / RUN_FILE).write_text(json.dumps({"mlflow_run_id": tracker.run_id, "tracking_uri": uri}))
+    (run_dir / RUN_FILE).write_text(json.dumps({"mlflow_run_id": tracker.run_id, "mlflow_run_key": run_key, "tracking_uri": uri}))
     tracker.log_params(cfg.model_dump(mode="json"))  # flattened and redacted by the tracker
     tracker.log_text(to_yaml(cfg), "config.yaml")
     return tracker, uri

@@ -83,9 +83,10 @@ def rank0_tracker(w: Worker):
 
     cfg, inputs = w.cfg, w.inputs
     return make_tracker(
-        w.rank == 0 and cfg.tracking.enabled and inputs.tracking_run_id is not None,
+        w.rank == 0 and cfg.tracking.enabled and inputs.tracking_uri is not None,  # rank 0 logs even if the server is down
         tracking_uri=inputs.tracking_uri, experiment=cfg.tracking.experiment, run_name=cfg.run.name or "",
-        run_id=inputs.tracking_run_id, local_dir=inputs.run_dir, tensorboard=cfg.tracking.tensorboard,
+        run_id=inputs.tracking_run_id, run_key=inputs.tracking_run_key, local_dir=inputs.run_dir,
+        tensorboard=cfg.tracking.tensorboard,
         retry_interval_s=cfg.tracking.retry_interval_s,
     )
 

@@ -38,7 +38,8 @@ def run_training(cfg: Config, *, datasets=None, callbacks=(), parent_run_id: str
         train, val, stats = datasets or build_run_datasets(cfg, tracker)
         loop_inputs = {
             "config": cfg.model_dump(mode="json"), "train_rows": stats.train_rows,
-            "tracking_run_id": tracker.run_id, "tracking_uri": uri, "run_dir": str(folder.local),
+            "tracking_run_id": tracker.run_id, "tracking_run_key": tracker.run_key, "tracking_uri": uri,
+            "run_dir": str(folder.local),
             "data_fingerprint": fingerprint,
         }
         result = fit_workers(cfg, train, val, loop_inputs, callbacks)
@@ -87,16 +88,18 @@ def track_run(cfg: Config, folder: RunFolder, parent_run_id: str | None):
     """The run's MLflow run, continued when a re-submitted job finds its ``run.json``; ``(tracker, uri)``."""
     folder.pull(RUN_FILE)
     tracker, uri = start_tracking(cfg, folder.local, parent_run_id=parent_run_id)
-    if tracker.run_id:
+    if uri:  # the run's key, even while the server is down
         folder.push(RUN_FILE)
     return tracker, uri
 
 
 def build_run_datasets(cfg: Config, tracker):
     """The run's ``(train, val, stats)`` datasets (Ray Data), with the statistics logged at step 0."""
+    from raytrain_hymt import data_progress
     from raytrain_hymt.data.pipeline import build_datasets
 
-    train, val, stats = build_datasets(cfg)
+    with data_progress.showing():
+        train, val, stats = build_datasets(cfg)
     log.info(stats.summary())
     tracker.log_metrics(stats.as_metrics(), step=0)
     return train, val, stats
@@ -132,8 +135,7 @@ def locate_model(cfg: Config, folder: RunFolder, tracker) -> str | None:
     if not cfg.run.export:
         return None
     model_dir = folder.location(MODEL_DIR)
-    if tracker.run_id:
-        tracker.set_tags({"model_dir": model_dir})
+    tracker.set_tags({"model_dir": model_dir})
     if cfg.tracking.log_model:
         if folder.remote:
             log.warning("tracking.log_model: the model is in %s, not uploaded again to MLflow", model_dir)

@@ -175,6 +175,7 @@ def run_search(cfg: Config) -> SearchResult:
     import ray
     from ray import tune
 
+    from raytrain_hymt import data_progress
     from raytrain_hymt.data.pipeline import build_datasets
     from raytrain_hymt.resources import check_cluster_resources
     from raytrain_hymt.storage import is_uri
@@ -197,7 +198,8 @@ def run_search(cfg: Config) -> SearchResult:
     check_cluster_resources(cfg, init_ray(cfg))
     tracker, uri = start_tracking(cfg, search_dir)
     try:
-        train, val, stats = build_datasets(cfg)
+        with data_progress.showing():
+            train, val, stats = build_datasets(cfg)
         log.info(stats.summary())
         tracker.log_metrics(stats.as_metrics(), step=0)
         total = planned_steps(cfg, stats.train_rows)

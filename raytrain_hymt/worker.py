@@ -39,6 +39,8 @@ class LoopInputs:
     data_fingerprint: dict | None = None
     progress_board: str | None = None
     """Name of the driver's progress actor (``progress.py``): rank 0 publishes every step there."""
+    tracking_run_key: str | None = None
+    """The job's MLflow key (``run.json``): rank 0 finds or creates the run by it while its id is unknown."""
 
 
 def _setup_environment(use_gpu: bool) -> torch.device:

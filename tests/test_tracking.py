@@ -11,8 +11,9 @@ import pytest
 from mlflow import MlflowClient
 from mlflow_server import free_port, run_mlflow_server
 
-from raytrain_hymt import tracking
-from raytrain_hymt.tracking import NullTracker, Tracker, make_tracker, redact, redact_text
+from raytrain_hymt import tracking, tracking_store
+from raytrain_hymt.redact import redact, redact_text
+from raytrain_hymt.tracking import NullTracker, Tracker, make_tracker
 
 SECRET = "s3cr3t-VALUE-4242"
 URI_PASSWORD = "uRiPaSs-9191"
@@ -85,20 +86,20 @@ def test_redact_keys_and_uris():
 
 
 def test_resolve_tracking_uri_precedence(tmp_path, monkeypatch):
-    assert tracking.resolve_tracking_uri("http://cfg:5000", tmp_path) == "http://cfg:5000"
+    assert tracking_store.resolve_tracking_uri("http://cfg:5000", tmp_path) == "http://cfg:5000"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://env:5000")
-    assert tracking.resolve_tracking_uri(None, tmp_path) == "http://env:5000"
+    assert tracking_store.resolve_tracking_uri(None, tmp_path) == "http://env:5000"
     monkeypatch.delenv("MLFLOW_TRACKING_URI")
-    assert tracking.resolve_tracking_uri(None, tmp_path) == f"sqlite:///{tmp_path.resolve()}/mlflow.db"
+    assert tracking_store.resolve_tracking_uri(None, tmp_path) == f"sqlite:///{tmp_path.resolve()}/mlflow.db"
     with pytest.raises(ValueError, match="tracking_uri"):
-        tracking.default_tracking_uri("s3://bucket/runs")
+        tracking_store.default_tracking_uri("s3://bucket/runs")
 
 
 def test_http_defaults_keep_user_values(monkeypatch):
-    for name in tracking.HTTP_ENV_DEFAULTS:
+    for name in tracking_store.HTTP_ENV_DEFAULTS:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "17")
-    tracking.set_http_defaults()
+    tracking_store.set_http_defaults()
     assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "17"
     assert os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "0"
 
@@ -116,7 +117,7 @@ def test_null_tracker_on_other_ranks_and_when_disabled(tmp_path):
 
 def test_tensorboard_scalars(tmp_path):
     pytest.importorskip("tensorboard", reason="tensorboard is not installed (pip install tensorboard)")
-    uri = tracking.default_tracking_uri(tmp_path)
+    uri = tracking_store.default_tracking_uri(tmp_path)
     tracker = Tracker.start(
         tracking_uri=uri, experiment="tb", run_name="r", run_id=None, local_dir=tmp_path / "run", tensorboard=True
     )
@@ -130,7 +131,7 @@ def test_tensorboard_scalars(tmp_path):
 
 def test_sqlite_default_params_metrics_and_resume(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger=tracking.logger.name)
-    uri = tracking.resolve_tracking_uri(None, tmp_path / "storage")
+    uri = tracking_store.resolve_tracking_uri(None, tmp_path / "storage")
     local = tmp_path / "run"
     params = {"optim": {"lr": 1e-5, "betas": [0.9, 0.95]}, "hub": {"hf_token": SECRET}, "notes": "x" * 7000}
 
@@ -152,6 +153,7 @@ def test_sqlite_default_params_metrics_and_resume(tmp_path, caplog):
     for step in range(3, 8):
         second.log_metrics({"train/loss": 100.0 + step}, step=step)
     second.finish()
+    second.log_metrics({"train/loss": 0.5}, step=8)  # after finish: ignored (neither MLflow nor the JSONL)
 
     client = MlflowClient(uri)
     runs = client.search_runs([first.experiment_id])
@@ -191,8 +193,7 @@ def test_server_logging_over_http(server_url, tmp_path):
         tracking_uri=server_url, experiment="http", run_name="r", run_id=tracker.run_id, local_dir=tmp_path / "w"
     )
     worker.log_metrics({"loss": 0.01}, step=40)
-    worker.flush()
-    worker.close()
+    worker.close()  # sends what it queued
     client = MlflowClient(server_url)
     assert client.get_run(tracker.run_id).info.status == "RUNNING"
     tracker.finish()

@@ -1,6 +1,6 @@
 """MLflow tracking of a real training job (Ray Train, 2 CPU workers, DeepSpeed, tiny model) against a real
 ``mlflow server`` on loopback that is stopped mid-run and started again on the same port and database;
-then the same job submitted again continues the same MLflow run."""
+then the same job submitted again continues the same MLflow run; and a job that starts while the server is down."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ pytestmark = pytest.mark.integration
 PASSWORD = "pw-TRACK-7781"  # in the tracking URI (a config value)
 HF_SECRET = "hf_SECRETtoken4242"  # in the environment
 STEPS, MORE_STEPS = 40, 44
+LATE_STEPS = 24  # a job that starts with the server down
 
 
 def _jsonl_steps(run_dir: Path, key: str) -> list[int]:
@@ -204,3 +205,43 @@ def test_resubmitted_job_continues_the_same_run(outage_run):
     # Steps 41-44 were added after the checkpoint at 40; none of 1-40 (nor data.* at step 0) twice.
     assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "train/loss")) == list(range(1, MORE_STEPS + 1))
     assert [m.step for m in client.get_metric_history(run.info.run_id, "data.rows_read")] == [0]
+
+
+def test_server_down_at_start_rank0_attaches_when_it_comes_up(ray_session, tmp_path):
+    """The server is not there when the job starts: rank 0 still writes metrics.jsonl, creates the job's run (found
+    by the key in run.json) once the server answers, and sends what it queued; the driver then joins that run."""
+    db, port = tmp_path / "server" / "mlflow.db", free_port()
+    url = f"http://127.0.0.1:{port}"
+    cfg = load_config(None, tiny_overrides(tmp_path / "runs", **{
+        "run.name": "late", "optim.max_steps": LATE_STEPS, "optim.micro_batch_size": 4, "eval.every_steps": 12,
+        "checkpoint.every_steps": 12, "tracking.tracking_uri": url, "tracking.retry_interval_s": 1,
+    }))
+    run_dir = Path(cfg.run.storage_path, "late")
+    outcome: dict = {}
+    thread = threading.Thread(target=lambda: outcome.update(summary=run_training(cfg)), daemon=True)
+    thread.start()
+    # Rank 0 writes its local copy while nothing answers.
+    _wait("3 steps in metrics.jsonl with the server down", lambda: (run_dir / "metrics.jsonl").exists()
+          and len(_jsonl_steps(run_dir, "train/loss")) >= 3, thread=thread)
+    with run_mlflow_server(db, port, startup_timeout_s=300):  # a first start on a busy machine: over a minute
+        up_at = max(_jsonl_steps(run_dir, "train/loss"))
+        thread.join(timeout=900)
+        assert "summary" in outcome, "training failed (see its log above)"
+        assert up_at < LATE_STEPS, "training ended before the server came up: make the run longer"
+        summary, client = outcome["summary"], MlflowClient(url)
+        runs = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id])
+        assert [r.info.run_id for r in runs] == [summary.mlflow_run_id]  # one run: rank 0's, which the driver joined
+        run = client.get_run(summary.mlflow_run_id)
+        assert run.info.status == "FINISHED" and run.info.run_name == "late"
+        for key in ("train/loss", "train/lr", "train/grad_norm"):  # those logged before the server was up included
+            assert sorted(m.step for m in client.get_metric_history(run.info.run_id, key)) == list(range(1, LATE_STEPS + 1)), key
+        assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "val/loss")) == [12, 24]
+        assert [m.step for m in client.get_metric_history(run.info.run_id, "data.rows_read")] == [0]  # the driver's
+        assert run.data.params["optim.max_steps"] == str(LATE_STEPS)  # the driver's params, sent after fit
+        saved = json.loads((run_dir / RUN_FILE).read_text())
+        assert run.data.tags["raytrain_hymt.run_key"] == saved["mlflow_run_key"]
+        assert run.data.tags["model_dir"] == summary.model_dir
+        assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"config.yaml", "deepspeed_config.json"}
+    assert _jsonl_steps(run_dir, "train/loss") == list(range(1, LATE_STEPS + 1))
+    assert len(_worker_log_lines(f"127.0.0.1:{port} is unreachable")) == 1
+    assert len(_worker_log_lines(f"127.0.0.1:{port} is reachable again")) == 1

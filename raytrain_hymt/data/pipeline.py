@@ -33,6 +33,7 @@ import numpy as np
 import pyarrow as pa
 
 from raytrain_hymt.config import Config, DataConfig
+from raytrain_hymt.data.actor_pool import map_on_actors
 from raytrain_hymt.data.cleaning import CleaningRules, check_bad_fraction, clean_batch, format_sample, pair_key, split_key
 from raytrain_hymt.data.packing import as_single_rows, pack_examples
 from raytrain_hymt.data.prompts import expand_directions
@@ -238,8 +239,8 @@ def tokenized_dataset(cfg: Config):
     ds = ds.map_batches(prepare_pairs, batch_format="numpy", fn_kwargs={
         "rules": cleaning_rules(data), "seed": data.seed, "val_fraction": data.val_fraction, "both": data.both_directions,
     })
-    ds = ds.map_batches(
-        TokenizePairs,
+    ds = map_on_actors(
+        ds, TokenizePairs, data.tokenize_actors,
         fn_constructor_kwargs={
             "tokenizer_name": cfg.model.tokenizer or cfg.model.name_or_path,
             "max_example_tokens": data.max_example_tokens,
@@ -247,7 +248,6 @@ def tokenized_dataset(cfg: Config):
         },
         batch_size=data.tokenize_batch_size,
         batch_format="numpy",
-        compute=ray_actor_pool(data.tokenize_actors),
     ).select_columns(list(SORTED_COLUMNS))
     partitions = sort_partitions(data, input_bytes)
     log.debug("sorting %d bytes of corpus files into %d partitions", input_bytes, partitions)
@@ -255,13 +255,6 @@ def tokenized_dataset(cfg: Config):
     weights = [s.weight for s in data.sources]
     return ds.map_batches(finish_partition, batch_size=None, batch_format="pyarrow",
                           fn_kwargs={"weights": weights, "seed": data.seed, "dedup": data.dedup})
-
-
-def ray_actor_pool(size: int):
-    """A fixed-size actor pool strategy for ``map_batches``."""
-    from ray.data import ActorPoolStrategy
-
-    return ActorPoolStrategy(size=size)
 
 
 def block_stats(table: pa.Table) -> dict:
