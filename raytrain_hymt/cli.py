@@ -15,7 +15,8 @@ log = logging.getLogger("raytrain_hymt")
 
 
 def _config_args(parser: argparse.ArgumentParser, name_help: str = "run name; the same name resumes that run") -> None:
-    parser.add_argument("--config", "-c", default=None, help="preset name (jobs/configs/NAME.yaml) or YAML file; default tiny-cpu")
+    parser.add_argument("--config", "-c", default=None,
+                        help="preset name (raytrain_hymt/presets/NAME.yaml) or YAML file; default tiny-cpu")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                         help="override one config field (repeatable), e.g. --set optim.lr=3e-5")
     parser.add_argument("--name", default=None, help=name_help)

@@ -1,14 +1,16 @@
 """The typed configuration tree: the single source of every default.
 
 Each field is documented once (its docstring), validated once (pydantic, plus the cross-field checks in
-``Config``), defaulted once (here). Presets in ``jobs/configs/*.yaml`` only override; ``--set a.b=v``
-overrides a preset. ``load_config`` turns any mistake into one ``ConfigError`` that names the field,
-before Ray or a GPU is touched.
+``Config``), defaulted once (here). Presets (``raytrain_hymt/presets/*.yaml``) only override;
+``--set a.b=v`` overrides a preset. ``load_config`` turns any mistake into one ``ConfigError`` that names
+the field, before Ray or a GPU is touched.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from importlib import resources
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,8 @@ from raytrain_hymt.config_run import (CheckpointConfig, EvalConfig, RunConfig, S
 from raytrain_hymt.config_sections import (DataConfig, DeepSpeedConfig, LoraConfig, ModelConfig, OptimConfig, _Section)
 from raytrain_hymt.errors import ConfigError
 
-PRESET_DIR = Path(__file__).resolve().parent.parent / "jobs" / "configs"
+#: The shipped presets, read as package data so that an installed wheel finds them as well as a checkout does.
+PRESETS: Traversable = resources.files("raytrain_hymt") / "presets"
 DEFAULT_PRESET = "tiny-cpu"
 
 
@@ -92,16 +95,21 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
-def preset_path(name_or_file: str) -> Path:
-    """A preset name (``tiny-cpu``) or a YAML file path, as a path that exists."""
+def preset_names() -> list[str]:
+    """The names of the shipped presets (``tiny-cpu``, ``hy-mt-7b-lora``, ...), sorted."""
+    return sorted(p.name.removesuffix(".yaml") for p in PRESETS.iterdir() if p.name.endswith(".yaml"))
+
+
+def preset_path(name_or_file: str) -> Path | Traversable:
+    """A YAML file path, or a shipped preset's name (``tiny-cpu``), as a file that exists."""
     candidate = Path(name_or_file)
     if candidate.suffix in (".yaml", ".yml") and candidate.exists():
         return candidate
-    named = PRESET_DIR / f"{name_or_file}.yaml"
-    if named.exists():
+    named = PRESETS / f"{name_or_file}.yaml"
+    if named.is_file():
         return named
-    known = ", ".join(sorted(p.stem for p in PRESET_DIR.glob("*.yaml")))
-    raise ConfigError(f"config {name_or_file!r}: no such file, and no preset of that name (presets: {known})")
+    raise ConfigError(f"config {name_or_file!r}: no such file, and no preset of that name "
+                      f"(presets: {', '.join(preset_names())})")
 
 
 def _format_validation_error(err: ValidationError, source: str, overrides: list[str]) -> str:
@@ -127,7 +135,7 @@ def load_config(config: str | None = None, overrides: list[str] | tuple[str, ...
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
     if not isinstance(tree, dict):
         raise ConfigError(f"{path}: expected a mapping of sections at the top level")
-    tree.setdefault("preset", path.stem)
+    tree.setdefault("preset", Path(path.name).stem)
     for text in overrides:
         key, value = parse_override(text)
         _set_dotted(tree, key, value)

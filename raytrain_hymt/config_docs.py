@@ -72,7 +72,7 @@ def render() -> str:
     """docs/configuration.md's text."""
     head = ["# Configuration reference", "",
             f"Generated from `raytrain_hymt/config*.py` by `{REGENERATE}`; do not edit by hand. Presets",
-            "(`jobs/configs/*.yaml`) set some of these fields; `--set SECTION.FIELD=VALUE` overrides any.", ""]
+            "(`raytrain_hymt/presets/*.yaml`) set some of these fields; `--set SECTION.FIELD=VALUE` overrides any.", ""]
     return "\n".join(head + _table("", Config)).rstrip("\n") + "\n"
 
 

@@ -1,4 +1,4 @@
-"""Shared fixtures: one local Ray cluster per test session, the tiny config, the shared data folder."""
+"""Shared fixtures: one local Ray cluster per test session, the tiny config, the data the tests read."""
 
 from __future__ import annotations
 
@@ -15,15 +15,13 @@ os.environ.pop("MLFLOW_TRACKING_URI", None)
 os.environ.pop("RAY_ADDRESS", None)
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO.parent / "shared" / "data"
-
-
-@pytest.fixture(scope="session")
-def shared_data() -> Path:
-    """../shared/data (CI clones the repo with shared/ beside it)."""
-    if not SHARED_DATA.exists():
-        pytest.skip(f"shared data folder not found at {SHARED_DATA}")
-    return SHARED_DATA
+#: Small real data shipped with the tests, each with its source and license (``tests/assets/*/SOURCE.md``),
+#: so that a fresh clone runs every data test; a missing file fails the test that reads it.
+ASSETS = REPO / "tests" / "assets"
+#: FLORES-200 devtest, the first 200 sentences in zh, en, de and ja.
+FLORES_DEVTEST = ASSETS / "flores200" / "devtest"
+#: Tatoeba deu-eng, the first 500 lines (the eng-zho set is the package's own sample, ``SAMPLE_CORPUS``).
+TATOEBA_DEU_ENG = ASSETS / "tatoeba" / "deu-eng.test.tsv"
 
 
 @pytest.fixture(scope="session")
@@ -76,7 +74,7 @@ E2E_EVAL = {"eval.directions": "[en-zh, zh-en]", "eval.max_sentences": 4, "eval.
 
 
 @pytest.fixture(scope="session")
-def finished_run(ray_session, shared_data, tmp_path_factory):
+def finished_run(ray_session, tmp_path_factory):
     """One finished 20-step tiny run named ``e2e`` (checkpoints, MLflow, export, BLEU/chrF on FLORES at
     steps 10 and 20 and at the end),
     shared by the end-to-end and evaluation tests: ``(storage root, TrainingSummary)``."""
@@ -84,7 +82,7 @@ def finished_run(ray_session, shared_data, tmp_path_factory):
     from raytrain_hymt.trainer import run_training
 
     storage = tmp_path_factory.mktemp("runs")
-    extra = {"run.name": "e2e", "eval.test_set": shared_data / "flores200" / "devtest", **E2E_EVAL,
+    extra = {"run.name": "e2e", "eval.test_set": FLORES_DEVTEST, **E2E_EVAL,
              # BLEU during training on the rows the end-of-run evaluation scores (tests/test_train_bleu.py).
              "eval.bleu_every_steps": 10, "eval.bleu_sentences": E2E_EVAL["eval.max_sentences"]}
     summary = run_training(load_config(None, tiny_overrides(storage, **extra)))

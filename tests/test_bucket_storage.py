@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, E2E_EVAL
+from conftest import E2E_EVAL, FLORES_DEVTEST, REPO
 from fault_tolerance_common import attempts, read_records
 from mlflow_server import free_port, run_mlflow_server
 
@@ -73,7 +73,7 @@ def _download(url: str, prefix: str, dest: Path) -> list[str]:
     return sorted(names)
 
 
-def test_bucket_run_trains_resumes_after_a_kill_exports_and_evaluates(s3_endpoint, shared_data, tmp_path):
+def test_bucket_run_trains_resumes_after_a_kill_exports_and_evaluates(s3_endpoint, tmp_path):
     from mlflow import MlflowClient
     from transformers import AutoModelForCausalLM
 
@@ -90,7 +90,7 @@ def test_bucket_run_trains_resumes_after_a_kill_exports_and_evaluates(s3_endpoin
     settings = {
         "run.storage_root": f"s3://{BUCKET}/runs", "optim.max_steps": STEPS, "checkpoint.every_steps": 2,
         "checkpoint.async_upload": True, "checkpoint.max_failures": 1, "eval.every_steps": 4,
-        "eval.test_set": shared_data / "flores200" / "devtest", **E2E_EVAL,
+        "eval.test_set": FLORES_DEVTEST, **E2E_EVAL,
         **{f"scaling.env.{k}": v for k, v in s3_env.items()},
     }
     try:

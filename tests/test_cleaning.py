@@ -16,18 +16,14 @@ from raytrain_hymt.data.cleaning import (
     split_key,
 )
 from raytrain_hymt.languages import UnsupportedLanguageError
-
-from conftest import SHARED_DATA  # noqa: E402 - ../shared/data, beside the clone in CI
-
-TATOEBA_ENG_ZHO = SHARED_DATA / "tatoeba" / "eng-zho.test.tsv"
+from raytrain_hymt.sample import SAMPLE_CORPUS
 
 
 @pytest.fixture(scope="module")
 def tatoeba_lines() -> list[list[str]]:
-    """The real Tatoeba eng-zho test set as [src_lang, tgt_lang, src, tgt] rows (line n at index n-1)."""
-    if not TATOEBA_ENG_ZHO.exists():
-        pytest.skip(f"shared data not found at {TATOEBA_ENG_ZHO} (CI clones the repo with shared/ beside it)")
-    with TATOEBA_ENG_ZHO.open(encoding="utf-8", newline="") as f:
+    """The real Tatoeba eng-zho test set (the bundled sample) as [src_lang, tgt_lang, src, tgt] rows (line n
+    at index n-1)."""
+    with SAMPLE_CORPUS.open(encoding="utf-8", newline="") as f:
         return [line.rstrip("\n").split("\t") for line in f]
 
 

@@ -19,7 +19,7 @@ import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
 from conftest import REPO
-from raytrain_hymt.config import PRESET_DIR
+from raytrain_hymt.config import PRESETS
 
 CLUSTER = REPO / "cluster.yaml"
 #: AWS's published shapes (aws.amazon.com/ec2/instance-types): GPU model as the presets name it, GPUs per node.
@@ -83,7 +83,7 @@ def test_no_token_or_key_in_the_file():
 
 def _hardware_note(preset: str) -> str:
     """The "Hardware:" part of a preset's leading comment block."""
-    lines = (PRESET_DIR / f"{preset}.yaml").read_text().splitlines()
+    lines = (PRESETS / f"{preset}.yaml").read_text().splitlines()
     comments = " ".join(line.lstrip("# ") for line in lines[: next(i for i, ln in enumerate(lines) if not ln.startswith("#"))])
     return comments[comments.index("Hardware:"):]
 

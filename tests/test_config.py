@@ -2,7 +2,7 @@
 
 import pytest
 
-from raytrain_hymt.config import PRESET_DIR, Config, flatten, load_config, parse_override, to_yaml
+from raytrain_hymt.config import Config, flatten, load_config, parse_override, preset_names, to_yaml
 from raytrain_hymt.errors import ConfigError
 
 
@@ -15,7 +15,7 @@ def test_default_preset_is_tiny_cpu():
     assert cfg.data.sources[0].path == "sample:"
 
 
-@pytest.mark.parametrize("preset", sorted(p.stem for p in PRESET_DIR.glob("*.yaml")))
+@pytest.mark.parametrize("preset", preset_names())
 def test_every_preset_loads_and_round_trips(preset):
     cfg = load_config(preset)
     assert cfg.preset == preset

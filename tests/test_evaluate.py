@@ -19,6 +19,8 @@ from raytrain_hymt.testsets import load_test_set, plan_rows, read_sentences
 from raytrain_hymt.scoring import read_history
 from raytrain_hymt.trainer import preflight
 
+from conftest import FLORES_DEVTEST
+
 # ---- pure: directions, test sets, scores -------------------------------------------------------------
 
 
@@ -79,10 +81,10 @@ def test_every_evaluation_is_kept_in_the_history(tmp_path):
     assert json.loads((second / "scores.json").read_text()) == {"step": 20, "scores": {"en-zh": {"bleu": 2.0}}}
 
 
-def test_flores_folder_is_a_multiway_test_set(shared_data):
-    folder = shared_data / "flores200" / "devtest"
+def test_flores_folder_is_a_multiway_test_set():
+    folder = FLORES_DEVTEST
     ts = load_test_set(str(folder))
-    assert sorted(ts.files) == ["de", "en", "ja", "zh"] and ts.lines == 1012 and ts.name == "devtest"
+    assert sorted(ts.files) == ["de", "en", "ja", "zh"] and ts.lines == 200 and ts.name == "devtest"
     rows = plan_rows(ts, ["en-zh", "de-ja"], 3)
     en = (folder / "eng_Latn.devtest").read_text(encoding="utf-8").splitlines()
     zh = (folder / "zho_Hans.devtest").read_text(encoding="utf-8").splitlines()
@@ -141,13 +143,13 @@ def _latest(set_root: Path) -> Path:
 
 
 @pytest.mark.integration
-def test_a_run_ends_with_bleu_and_chrf_in_its_summary_files_and_mlflow(finished_run, shared_data):
+def test_a_run_ends_with_bleu_and_chrf_in_its_summary_files_and_mlflow(finished_run):
     import mlflow
 
     storage, summary = finished_run
     eval_dir = _latest(Path(summary.run_dir) / "eval" / "devtest")
-    refs = {"zh": (shared_data / "flores200/devtest/zho_Hans.devtest").read_text(encoding="utf-8").splitlines()[:4],
-            "en": (shared_data / "flores200/devtest/eng_Latn.devtest").read_text(encoding="utf-8").splitlines()[:4]}
+    refs = {"zh": (FLORES_DEVTEST / "zho_Hans.devtest").read_text(encoding="utf-8").splitlines()[:4],
+            "en": (FLORES_DEVTEST / "eng_Latn.devtest").read_text(encoding="utf-8").splitlines()[:4]}
     scores = summary.test_scores["scores"]
     assert summary.test_scores["test_set"] == "devtest" and list(scores) == ["en-zh", "zh-en"]
     for direction, target in (("en-zh", "zh"), ("zh-en", "en")):
@@ -174,13 +176,13 @@ def test_a_run_ends_with_bleu_and_chrf_in_its_summary_files_and_mlflow(finished_
 
 
 @pytest.mark.integration
-def test_hymt_evaluate_scores_a_run_and_any_model_folder_alike(finished_run, shared_data, capsys):
+def test_hymt_evaluate_scores_a_run_and_any_model_folder_alike(finished_run, capsys):
     import mlflow
 
     from conftest import E2E_EVAL
 
     storage, summary = finished_run
-    common = ["--test-set", str(shared_data / "flores200" / "devtest"), "--set", f"run.storage_root={storage}"]
+    common = ["--test-set", str(FLORES_DEVTEST), "--set", f"run.storage_root={storage}"]
     common += [a for k, v in E2E_EVAL.items() for a in ("--set", f"{k}={v}")]
     set_root = Path(summary.run_dir) / "eval" / "devtest"
     before = {d: _hyps(_latest(set_root), d) for d in ("en-zh", "zh-en")}

@@ -8,6 +8,8 @@ import pytest
 
 from raytrain_hymt.generation import batches_longest_first, load_generator, translate_all, translate_or_report
 
+from conftest import FLORES_DEVTEST
+
 SOURCES = ["Hello.", "The cat sat on the mat and looked out of the window for a long time.", "我喜欢猫。",
            "Guten Morgen, wie geht es dir?"]
 SRC = ["en", "en", "zh", "de"]
@@ -73,14 +75,14 @@ def test_static_cache_decoding_gives_the_same_translations_and_keeps_its_decoder
     assert tiny_generator.model.__dict__[DECODER_ATTR].rows == 8
 
 
-def test_static_decoding_stops_where_generate_stops_on_a_trained_model(finished_run, shared_data):
+def test_static_decoding_stops_where_generate_stops_on_a_trained_model(finished_run):
     # A trained tiny model ends its answers early: both paths stop at the step where the last row has
     # emitted its end-of-answer token, with the same tokens.
     from raytrain_hymt.evaluate import load_test_set, plan_rows
 
     storage, summary = finished_run
     generator = load_generator(summary.model_dir, "fp32", 64, use_gpu=False)
-    rows = plan_rows(load_test_set(shared_data / "flores200" / "devtest"), ["en-zh", "zh-en"], 8)
+    rows = plan_rows(load_test_set(FLORES_DEVTEST), ["en-zh", "zh-en"], 8)
     enc = generator.encode([r["src"] for r in rows], [r["src_lang"] for r in rows], [r["tgt_lang"] for r in rows])
     before = generator.new_tokens(enc, static=False)
     after = generator.new_tokens(enc, static=True)

@@ -11,10 +11,7 @@ from raytrain_hymt.languages import (
     resolve,
     uses_chinese_template,
 )
-
-from conftest import SHARED_DATA  # noqa: E402 - ../shared/data, beside the clone in CI
-
-TATOEBA_ENG_ZHO = SHARED_DATA / "tatoeba" / "eng-zho.test.tsv"
+from raytrain_hymt.sample import SAMPLE_CORPUS
 
 
 def test_the_model_cards_38_languages():
@@ -130,10 +127,8 @@ def test_uses_chinese_template_refuses_unsupported():
 
 
 def test_tatoeba_eng_zho_label_partition():
-    """Every label of the real Tatoeba eng-zho test set lands exactly where it should."""
-    if not TATOEBA_ENG_ZHO.exists():
-        pytest.skip(f"shared data not found at {TATOEBA_ENG_ZHO} (CI clones the repo with shared/ beside it)")
-    with TATOEBA_ENG_ZHO.open(encoding="utf-8") as f:
+    """Every label of the real Tatoeba eng-zho test set (the bundled sample) lands exactly where it should."""
+    with SAMPLE_CORPUS.open(encoding="utf-8") as f:
         columns = [line.split("\t")[:2] for line in f]
     assert {resolve(src).code for src, _ in columns} == {"en"}
     labels = Counter(tgt for _, tgt in columns)

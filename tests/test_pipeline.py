@@ -30,7 +30,10 @@ from raytrain_hymt.data.pipeline import (
 from raytrain_hymt.data.readers import example_id
 from raytrain_hymt.errors import DataSourceError
 from raytrain_hymt.languages import UnsupportedLanguageError
+from raytrain_hymt.sample import SAMPLE_CORPUS
 from raytrain_hymt.tokenizer import load_tokenizer
+
+from conftest import TATOEBA_DEU_ENG
 
 LONG_EN = "The committee discussed the proposal for several hours before finally agreeing on a compromise today."
 LONG_DE = "Der Ausschuss diskutierte den Vorschlag mehrere Stunden, bevor er sich heute auf einen Kompromiss einigte."
@@ -167,12 +170,12 @@ def test_language_mapping_and_prompt_layout_in_packed_rows(mixed):
 
 
 @pytest.fixture(scope="module")
-def tatoeba(ray_session, shared_data, tmp_path_factory):
-    """eng-zho + deu-eng from ../shared/data with a 20% validation split; built once, then prepared to
-    Parquet (a second pipeline run) and read back through ``data.prepared_path``."""
+def tatoeba(ray_session, tmp_path_factory):
+    """eng-zho (the bundled sample) + deu-eng (tests/assets) with a 20% validation split; built once, then
+    prepared to Parquet (a second pipeline run) and read back through ``data.prepared_path``."""
     from raytrain_hymt.prepare import prepare_dataset
 
-    files = [shared_data / "tatoeba" / "eng-zho.test.tsv", shared_data / "tatoeba" / "deu-eng.test.tsv"]
+    files = [SAMPLE_CORPUS, TATOEBA_DEU_ENG]
     cfg = _config(sources=[SourceConfig(path=str(f), format="tatoeba") for f in files],
                   val_fraction=0.2, max_val_examples=100_000, seed=7)
     train, val, stats = build_datasets(cfg)

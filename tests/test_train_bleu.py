@@ -14,6 +14,8 @@ from raytrain_hymt.config import load_config
 from raytrain_hymt.errors import ConfigError
 from raytrain_hymt.scoring import read_history
 
+from conftest import FLORES_DEVTEST
+
 
 def test_bleu_during_training_needs_a_test_set():
     with pytest.raises(ConfigError, match="eval.bleu_every_steps translates a sample of eval.test_set: set eval.test_set"):
@@ -31,7 +33,7 @@ def _logged(run_dir: Path) -> dict[str, dict[int, float]]:
 
 
 @pytest.mark.integration
-def test_scores_are_logged_every_n_steps_and_equal_hymt_evaluate_at_that_step(finished_run, shared_data, tmp_path):
+def test_scores_are_logged_every_n_steps_and_equal_hymt_evaluate_at_that_step(finished_run, tmp_path):
     import mlflow
 
     from conftest import E2E_EVAL
@@ -56,7 +58,7 @@ def test_scores_are_logged_every_n_steps_and_equal_hymt_evaluate_at_that_step(fi
     assert [h["step"] for h in history] == [10, 20] and history[0]["model"] == "training step 10"
     export = tmp_path / "step10"
     assert main(["export", str(run_dir / "checkpoint_step00000010"), str(export)]) == 0
-    common = ["--test-set", str(shared_data / "flores200" / "devtest"), "--set", f"run.storage_root={storage}"]
+    common = ["--test-set", str(FLORES_DEVTEST), "--set", f"run.storage_root={storage}"]
     common += [a for k, v in E2E_EVAL.items() for a in ("--set", f"{k}={v}")]
     assert main(["evaluate", "--model", str(export), "--name", "step10", *common]) == 0
     again = json.loads((storage / "step10" / "eval" / "devtest" / read_history(storage / "step10" / "eval" / "devtest")[-1]["dir"]
