@@ -25,6 +25,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 FAULTS_ENV = "HYMT_FAULTS"
@@ -110,9 +111,10 @@ def watch_layers(module):
             handle.remove()
 
 
-def record_step(rank: int, step: int, example_ids: list[int], loss: float, skipped: bool, module,
+def record_step(rank: int, step: int, example_ids: Callable[[], list[int]], loss: float, skipped: bool, module,
                 layers: dict | None = None) -> None:
     """Append this rank's line for ``step`` to ``$HYMT_RECORD_DIR/rank<R>.jsonl`` (no-op when unset);
+    ``example_ids``: gives the ids of the rows the rank trained on (called only when recording);
     ``layers``: the tally of ``watch_layers`` during the step."""
     folder = os.environ.get(RECORD_ENV)
     if not folder:
@@ -123,7 +125,7 @@ def record_step(rank: int, step: int, example_ids: list[int], loss: float, skipp
         weight_sum = float(sum(p.detach().double().sum() for p in module.parameters()))
     import ray
 
-    line = {"step": step, "example_ids": sorted(int(e) for e in example_ids), "loss": loss,
+    line = {"step": step, "example_ids": sorted(int(e) for e in example_ids()), "loss": loss,
             "skipped": skipped, "weight_sum": weight_sum, "node": ray.get_runtime_context().get_node_id(),
             "pid": os.getpid(), "time": time.time(), **(layers or {})}
     Path(folder).mkdir(parents=True, exist_ok=True)

@@ -118,8 +118,8 @@ class StepHandler:
         skipped = bool(metrics.pop("train/skipped"))
         at.skipped_steps += skipped
         metrics["train/skipped_steps"] = at.skipped_steps
-        faults.record_step(w.rank, step, rank_example_ids(global_batch, w.rank, w.world, w.accum,
-                           opt.micro_batch_size), metrics["train/loss"], skipped, w.engine.module, layers)
+        ids = lambda: rank_example_ids(global_batch, w.rank, w.world, w.accum, opt.micro_batch_size)  # noqa: E731
+        faults.record_step(w.rank, step, ids, metrics["train/loss"], skipped, w.engine.module, layers)
         if skipped and w.rank == 0:
             log.warning("step %d: loss %s, gradient norm %s: update skipped (%d skipped so far)",
                         step, metrics["train/loss"], metrics["train/grad_norm"], at.skipped_steps)
