@@ -195,6 +195,7 @@ def bench_loop(loop_config: dict, context=None, shard=None) -> None:
     import torch
     import torch.distributed as dist
 
+    from raytrain_hymt.ranks import rank_rows
     from raytrain_hymt.worker import LoopInputs, Worker
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -217,7 +218,7 @@ def bench_loop(loop_config: dict, context=None, shard=None) -> None:
     steps = []
     last = time.perf_counter()
     for global_batch in batches:
-        m = w.train_step(global_batch)
+        m = w.train_step(rank_rows(global_batch, w.rank, w.world, opt.grad_accum, opt.micro_batch_size))
         now = time.perf_counter()
         seconds = m["train/step_time_s"]
         # An integer count recovered from a rate: rounding removes the float error (1954.0000000000002)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import json
 import os
 import signal
@@ -170,22 +171,26 @@ def run_ray(path: Path, out: Path, actors: int) -> dict:
 
 
 def stream_prepared(cfg, out: Path) -> dict:
-    """Read the prepared training rows (up to :data:`STREAM_ROWS`) as a training worker does
-    (``data.prepared_path``, the loop's windows), in a fresh Ray: the object store's peak, the rows, the
-    Parquet bytes, the seconds."""
+    """Read the prepared training rows (up to :data:`STREAM_ROWS`) as one training rank of one does
+    (``data.prepared_path``, the loop's windows and lanes: every row), in a fresh Ray: the object store's
+    peak, the rows, the Parquet bytes, the seconds."""
     import ray
 
-    from raytrain_hymt.data.epochs import epoch_batches, window_rows
+    from raytrain_hymt.data.blocks import RowFetcher, train_blocks
+    from raytrain_hymt.data.epochs import batches, window_rows
     from raytrain_hymt.data.pipeline import build_datasets
 
     ray.init(address="local", num_cpus=4, include_dashboard=False)
     sampler = MemorySampler()
     t0 = time.perf_counter()
     cfg.data.prepared_path = str(out)
-    train, _, _ = build_datasets(cfg)
-    windows = train.iter_batches(batch_size=window_rows(cfg.data.epoch_shuffle_rows, 4), batch_format="numpy")
+    train, _, stats = build_datasets(cfg)
+    fetch = RowFetcher(train_blocks(cfg, train))
+    window = window_rows(cfg.data.epoch_shuffle_rows, 4)
     rows = 0
-    for batch in epoch_batches(windows, cfg.data.seed, 1, 4):
+    one_epoch = itertools.islice(batches(fetch, stats.train_rows, window, 4, range(4), cfg.data.seed, 1, 0),
+                                 stats.train_rows // 4)
+    for _, _, batch in one_epoch:
         rows += len(batch["input_ids"])
         if rows >= STREAM_ROWS:  # steady state long reached: the store's peak does not grow with the rows
             break

@@ -94,10 +94,12 @@ class DataConfig(_Section):
     whole by the task that dedups and packs it. ``auto``: sized from the sources' bytes for blocks of
     about 128 MiB of tokenized examples (at least 2), so no task's memory grows with the corpus."""
     epoch_shuffle_rows: int = Field(8192, ge=1)
-    """Training rows each worker holds and permutes at once for the per-epoch order: every epoch takes
-    the rows in windows of this many (rounded down to whole global batches) and permutes each window
-    with a seed of ``(data.seed, epoch, window)``. Memory per worker ≈ rows × ``pack_tokens`` × 12 bytes
-    (8,192 × 1,024: ~100 MB)."""
+    """Rows of the training stream mixed at once for the per-epoch order: every epoch takes the rows in
+    windows of this many (rounded down to whole global batches), cuts each into one lane per position of
+    the global batch and draws every batch's rows from the lanes with seeds of ``(data.seed, epoch,
+    window, lane)`` (docs/data.md). Each worker fetches and holds only its lanes: window / workers rows,
+    ≈ that × ``pack_tokens`` × 12 bytes (8,192 rows of 1,024 tokens on 2 workers: ~50 MB). The training
+    rows are stored in blocks of window / global batch rows, the unit a worker fetches."""
 
     @model_validator(mode="after")
     def _check(self) -> DataConfig:

@@ -10,10 +10,11 @@ step K. With ``once``, a fault fires only if the marker file does not exist yet 
 the restarted attempt runs through.
 
 ``HYMT_RECORD_DIR``: each rank appends one JSON line per step to ``<dir>/rank<R>.jsonl``: the step, the
-example ids of its slice, the loss, whether the update was skipped, the sum of the model's weights, the
-Ray node it ran on and the wall-clock time, and how many decoder-layer forwards the step ran and whether
+example ids of its rows, the loss, whether the update was skipped, the sum of the model's weights, the
+Ray node it ran on and the wall-clock time, how many decoder-layer forwards the step ran and whether
 every module was in training mode during them (``watch_layers``: two forwards per layer and micro-step
-show that activation checkpointing really recomputes).
+show that activation checkpointing really recomputes), and the rows, blocks and bytes of training data
+the rank fetched so far (``data.blocks.RowFetcher``).
 
 Both cost nothing when their variable is unset: each function returns at its first line.
 """
@@ -112,10 +113,11 @@ def watch_layers(module):
 
 
 def record_step(rank: int, step: int, example_ids: Callable[[], list[int]], loss: float, skipped: bool, module,
-                layers: dict | None = None) -> None:
+                layers: dict | None = None, fetched: dict | None = None) -> None:
     """Append this rank's line for ``step`` to ``$HYMT_RECORD_DIR/rank<R>.jsonl`` (no-op when unset);
     ``example_ids``: gives the ids of the rows the rank trained on (called only when recording);
-    ``layers``: the tally of ``watch_layers`` during the step."""
+    ``layers``: the tally of ``watch_layers`` during the step; ``fetched``: what the rank's fetcher
+    counted so far in this worker process (``data.blocks.RowFetcher.counts``)."""
     folder = os.environ.get(RECORD_ENV)
     if not folder:
         return
@@ -127,7 +129,7 @@ def record_step(rank: int, step: int, example_ids: Callable[[], list[int]], loss
 
     line = {"step": step, "example_ids": sorted(int(e) for e in example_ids()), "loss": loss,
             "skipped": skipped, "weight_sum": weight_sum, "node": ray.get_runtime_context().get_node_id(),
-            "pid": os.getpid(), "time": time.time(), **(layers or {})}
+            "pid": os.getpid(), "time": time.time(), **(layers or {}), **(fetched or {})}
     Path(folder).mkdir(parents=True, exist_ok=True)
     # One open/write/close per line: a SIGKILL right after loses nothing already recorded.
     with open(Path(folder, f"rank{rank}.jsonl"), "a") as f:

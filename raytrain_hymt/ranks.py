@@ -1,11 +1,12 @@
 """How a global batch divides over ranks and micro-steps, and the sums every rank agrees on.
 
-Every worker reads the whole ordered row stream and takes its own slice of each global batch of
-``world × accumulation × micro_batch`` rows (``rank_slice``; ``optim.global_batch_rows`` fixes that
-product and the accumulation follows the worker count): the same rows form global step k whatever
-the worker count. The loss of a step is the sum of token losses over the whole global batch divided by
-its target-token count (one all-reduce), so any split over workers and micro-steps gives the same
-gradients.
+A global batch has ``world × accumulation × micro_batch`` rows (``optim.global_batch_rows`` fixes that
+product and the accumulation follows the worker count). Each rank fetches only the positions it trains
+(``data.epochs.rank_lanes``: micro-step a of rank r holds positions ``[(a·world + r)·b, (a·world + r +
+1)·b)``, the layout of ``rank_slice``) and trains them as its ``rank rows``: micro-step a is rows
+``[a·b, (a+1)·b)`` of them (``micro_slice``). The same rows form global step k whatever the worker count.
+The loss of a step is the sum of token losses over the whole global batch divided by its target-token
+count (one all-reduce), so any split over workers and micro-steps gives the same gradients.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
+
+from raytrain_hymt.data.epochs import rank_lanes
 
 
 def rank_slice(global_batch: dict[str, np.ndarray], micro: int, rank: int, world: int, micro_batch: int) -> dict:
@@ -25,15 +28,26 @@ def rank_slice(global_batch: dict[str, np.ndarray], micro: int, rank: int, world
     return {k: v[start : start + micro_batch] for k, v in global_batch.items()}
 
 
+def rank_rows(global_batch: dict[str, np.ndarray], rank: int, world: int, grad_accum: int, micro_batch: int) -> dict:
+    """The rows of a whole ``global_batch`` that ``rank`` trains, as ``Worker.train_step`` takes them
+    (what the rank would have fetched itself: its lanes, in micro-step order)."""
+    take = rank_lanes(rank, world, grad_accum, micro_batch)
+    return {k: v[take] for k, v in global_batch.items()}
+
+
+def micro_slice(rows: dict[str, np.ndarray], micro: int, micro_batch: int) -> dict:
+    """Micro-step ``micro`` of a rank's rows (``rank_rows``, or the rows the rank fetched)."""
+    return {k: v[micro * micro_batch : (micro + 1) * micro_batch] for k, v in rows.items()}
+
+
 def steps_per_epoch(train_rows: int, world: int, grad_accum: int, micro_batch: int) -> int:
     """Optimizer steps in one pass (the incomplete last global batch is dropped on every rank alike)."""
     return train_rows // (world * grad_accum * micro_batch)
 
 
-def rank_example_ids(global_batch: dict, rank: int, world: int, grad_accum: int, micro_batch: int) -> list[int]:
-    """Example ids of the rows ``rank`` trains on in ``global_batch`` (every micro-step's slice)."""
-    return [int(e) for a in range(grad_accum)
-            for row in rank_slice(global_batch, a, rank, world, micro_batch)["example_ids"] for e in row]
+def rank_example_ids(rows: dict) -> list[int]:
+    """Example ids of a rank's rows (every packed row's examples)."""
+    return [int(e) for row in rows["example_ids"] for e in row]
 
 
 def all_reduce_sum(values: list[float], device) -> list[float]:

@@ -1,9 +1,10 @@
 """The per-worker function: the only code that runs on Ray Train workers.
 
-Data position: the pipeline fixes the row order and each epoch's permutation is seeded by the epoch
+Data position: the pipeline fixes the row order and each epoch's batches are seeded by the epoch
 (:mod:`~raytrain_hymt.data.epochs`), so the position is the epoch and the number of global batches
-consumed in it (``RunState.batch_in_epoch``); a resumed run skips that many global batches and trains
-exactly the rows an uninterrupted run would have trained next. One step of the loop is
+consumed in it (``RunState.batch_in_epoch``); a resumed run skips that many global batches, without
+fetching the windows they came from, and trains exactly the rows an uninterrupted run would have
+trained next. Each rank fetches only its own rows of every batch (:mod:`~raytrain_hymt.data.blocks`). One step of the loop is
 :meth:`~raytrain_hymt.worker.Worker.train_step`; this module adds validation, BLEU, logging, progress
 and checkpoints around it.
 """
@@ -34,7 +35,8 @@ def train_loop(loop_config: dict) -> None:
     """Ray Train entry point (``TorchTrainer(train_loop, train_loop_config=...)``)."""
     import ray.train
 
-    from raytrain_hymt.data.epochs import global_batches, window_rows
+    from raytrain_hymt.data.blocks import RowFetcher
+    from raytrain_hymt.data.epochs import batches, rank_lanes, window_rows
     from raytrain_hymt.progress import Publisher
     from raytrain_hymt.quiet import quiet_ray
 
@@ -57,14 +59,14 @@ def train_loop(loop_config: dict) -> None:
                      w.total_steps, w.per_epoch, w.world, w.global_rows,
                      f", resuming after step {at.step} (epoch {at.epoch}, skipping {at.batch_in_epoch} batches)"
                      if state else "")
-        shard = ray.train.get_dataset_shard("train")
+        fetch = RowFetcher(inputs.train_blocks)
         window = window_rows(cfg.data.epoch_shuffle_rows, w.global_rows)
-        read_epoch = lambda: shard.iter_batches(batch_size=window, batch_format="numpy", prefetch_batches=1)  # noqa: E731
-        steps = StepHandler(w, tracker, progress)
-        for at.epoch, index, global_batch in global_batches(read_epoch, cfg.data.seed, at.epoch,
-                                                             at.batch_in_epoch, w.global_rows):
+        lanes = rank_lanes(w.rank, w.world, w.accum, cfg.optim.micro_batch_size)
+        steps = StepHandler(w, tracker, progress, fetch)
+        for at.epoch, index, rows in batches(fetch, inputs.train_rows, window, w.global_rows, lanes,
+                                             cfg.data.seed, at.epoch, at.batch_in_epoch):
             at.batch_in_epoch = index + 1
-            steps.run(global_batch, at)
+            steps.run(rows, at)
             if at.step >= w.total_steps:
                 break
         if cfg.run.export:
@@ -95,31 +97,31 @@ class StepHandler:
     """Everything one global step does around ``Worker.train_step``: fault hooks, validation, BLEU,
     metrics, the console line, progress and the checkpoint report."""
 
-    def __init__(self, w: Worker, tracker, progress):
+    def __init__(self, w: Worker, tracker, progress, fetch):
+        """``fetch``: the rank's ``data.blocks.RowFetcher``, whose counts the test record shows."""
         from raytrain_hymt.train_bleu import TrainingSample
 
-        self.w, self.tracker, self.progress = w, tracker, progress
+        self.w, self.tracker, self.progress, self.fetch = w, tracker, progress, fetch
         cfg = w.cfg
         self.sample = TrainingSample(cfg, w.tokenizer, w.rank, w.inputs.run_dir) if cfg.eval.bleu_every_steps else None
         self.console_every = max(cfg.tracking.log_every_steps, w.total_steps // 10)
         self.val_loss: float | None = None
 
-    def run(self, global_batch: dict, at: Position) -> None:
-        """Train, measure and record step ``at.step + 1``; ``at`` moves on to it."""
+    def run(self, rows: dict, at: Position) -> None:
+        """Train this rank's ``rows`` of step ``at.step + 1``, measure and record it; ``at`` moves on to it."""
         from raytrain_hymt import faults
 
         w, cfg = self.w, self.w.cfg
-        opt = cfg.optim
         faults.before_step(at.step + 1, w.rank)
         with faults.nan_loss(w.engine.module, at.step + 1, w.rank), faults.watch_layers(w.engine.module) as layers:
-            metrics = w.train_step(global_batch)
+            metrics = w.train_step(rows)
         at.step += 1
         step, last = at.step, at.step >= w.total_steps
         skipped = bool(metrics.pop("train/skipped"))
         at.skipped_steps += skipped
         metrics["train/skipped_steps"] = at.skipped_steps
-        ids = lambda: rank_example_ids(global_batch, w.rank, w.world, w.accum, opt.micro_batch_size)  # noqa: E731
-        faults.record_step(w.rank, step, ids, metrics["train/loss"], skipped, w.engine.module, layers)
+        faults.record_step(w.rank, step, lambda: rank_example_ids(rows), metrics["train/loss"], skipped,
+                           w.engine.module, layers, self.fetch.counts())
         if skipped and w.rank == 0:
             log.warning("step %d: loss %s, gradient norm %s: update skipped (%d skipped so far)",
                         step, metrics["train/loss"], metrics["train/grad_norm"], at.skipped_steps)

@@ -195,6 +195,7 @@ def build_trainer(cfg: Config, train, val, loop_inputs: dict, callbacks=(), loop
     from ray.data import ExecutionOptions
     from ray.train.torch import TorchTrainer
 
+    from raytrain_hymt.data.blocks import train_blocks
     from raytrain_hymt.faults import FORWARDED_ENV
     from raytrain_hymt.train_loop import train_loop
 
@@ -209,13 +210,15 @@ def build_trainer(cfg: Config, train, val, loop_inputs: dict, callbacks=(), loop
     ordered = ExecutionOptions(preserve_order=True)
     return TorchTrainer(
         loop or train_loop,
-        train_loop_config=loop_inputs,
+        # The blocks' object refs travel inside the config (Ray Train puts it in the object store whole).
+        train_loop_config={**loop_inputs, "train_blocks": train_blocks(cfg, train)},
         scaling_config=ray.train.ScalingConfig(
             num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
             resources_per_worker={"CPU": cfg.scaling.cpus_per_worker},
         ),
+        # train_loop fetches each rank's training rows itself (train_blocks); the benchmark's loop reads
+        # the "train" shard. Every worker reads the whole validation stream and takes its slice.
         datasets={"train": train, "val": val},
-        # Every worker reads the whole ordered stream and takes its slice (ranks.rank_slice).
         dataset_config=ray.train.DataConfig(datasets_to_split=[], execution_options={"train": ordered, "val": ordered}),
         run_config=ray.train.RunConfig(
             name=cfg.run.name,

@@ -1,7 +1,8 @@
 """One training worker's state and what it does: build the engine, resume, train a step, validate, export.
 
 :mod:`~raytrain_hymt.train_loop` drives it; the split of each global batch over ranks is
-:mod:`~raytrain_hymt.ranks`'. A restarted run resumes exactly after the last checkpointed step.
+:mod:`~raytrain_hymt.ranks`', the fetch of a rank's rows :mod:`~raytrain_hymt.data.blocks`'. A restarted
+run resumes exactly after the last checkpointed step.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 
 from raytrain_hymt.config import Config
 from raytrain_hymt.errors import NonFiniteError
-from raytrain_hymt.ranks import all_reduce_sum, nonfinite_ranks, rank_slice, steps_per_epoch
+from raytrain_hymt.ranks import all_reduce_sum, micro_slice, nonfinite_ranks, rank_slice, steps_per_epoch
 
 log = logging.getLogger("raytrain_hymt")
 
@@ -41,6 +42,8 @@ class LoopInputs:
     """Name of the driver's progress actor (``progress.py``): rank 0 publishes every step there."""
     tracking_run_key: str | None = None
     """The job's MLflow key (``run.json``): rank 0 finds or creates the run by it while its id is unknown."""
+    train_blocks: object = None
+    """Where the training rows are (``data.blocks.train_blocks``): each rank fetches its own rows from there."""
 
 
 def _setup_environment(use_gpu: bool) -> torch.device:
@@ -207,14 +210,14 @@ class Worker:
             + "\nremove the run folder's checkpoint_step* folders (or use a new run name) to start over"
         )
 
-    def train_step(self, global_batch: dict) -> dict[str, float]:
-        """One optimizer step over this rank's share of ``global_batch``; returns the step's metrics."""
+    def train_step(self, rows: dict) -> dict[str, float]:
+        """One optimizer step over this rank's rows of a global batch (accumulation × micro-batch rows in
+        micro-step order: what the rank fetched, or ``ranks.rank_rows`` of a whole batch); the metrics."""
         from raytrain_hymt.metrics import mfu, step_flops
 
         opt = self.cfg.optim
         t0 = time.perf_counter()
-        micro = [self.collate(rank_slice(global_batch, a, self.rank, self.world, opt.micro_batch_size))
-                 for a in range(self.accum)]
+        micro = [self.collate(micro_slice(rows, a, opt.micro_batch_size)) for a in range(self.accum)]
         local_targets = float(sum(int(m["num_target_tokens"]) for m in micro))
         local_tokens = float(sum(int(s.sum()) for m in micro for s in m["seq_lens"]))
         # FLOPs are linear in the documents, so the global count is the sum of every rank's own.

@@ -1,6 +1,7 @@
 """Data that reproduces anywhere (issue #15): ids from names relative to a source's root, a data
-fingerprint in every checkpoint checked on resume, a new seeded order every epoch, sort partitions sized
-from the data, and ``hymt prepare`` that never mixes two datasets.
+fingerprint in every checkpoint checked on resume, a new seeded order every epoch (its lanes are tested
+in tests/test_rank_reading.py), sort partitions sized from the data, and ``hymt prepare`` that never
+mixes two datasets.
 
 The training test runs the real stack (Ray Train, DeepSpeed ZeRO-2 fp32, 2 CPU workers, the tiny model)
 on a 28-pair corpus copied into two folders: a reference run from the first copy, and a run from the
@@ -22,7 +23,7 @@ import pytest
 from fault_tolerance_common import attempts, effective, read_records
 from raytrain_hymt.cli import main
 from raytrain_hymt.config import load_config
-from raytrain_hymt.data.epochs import epoch_batches, window_rows
+from raytrain_hymt.data.epochs import batches
 from raytrain_hymt.data.fingerprint import DataChangedError, check_same_data, compare_fingerprints, sources_fingerprint
 from raytrain_hymt.data.pipeline import PARTITION_BYTES, build_datasets, sort_partitions
 from raytrain_hymt.errors import DataSourceError
@@ -52,30 +53,6 @@ def _overrides(corpus: Path, storage: Path, name: str, **extra) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------- pure
-
-
-def test_epochs_differ_reproduce_and_keep_every_row_once():
-    rows = {"example_ids": np.arange(103, dtype=np.int64), "x": np.arange(103) * 10}
-    windows = [{k: v[i:i + 40] for k, v in rows.items()} for i in range(0, 103, 40)]  # 40, 40, 23 rows
-    assert window_rows(42, GLOBAL_ROWS) == 40 and window_rows(3, GLOBAL_ROWS) == GLOBAL_ROWS
-
-    def epoch(e):
-        return [b["example_ids"].tolist() for b in epoch_batches(windows, seed=5, epoch=e, global_rows=GLOBAL_ROWS)]
-
-    first, second = epoch(0), epoch(1)
-    assert first == epoch(0) and second == epoch(1)  # reproducible
-    assert first != second
-    assert len(first) == len(second) == 103 // GLOBAL_ROWS  # as many steps as drop_last gives
-    for batches in (first, second):
-        ids = [e for b in batches for e in b]
-        assert len(set(ids)) == len(ids)  # no row twice in an epoch
-        # A row moves only within its window: rows of window 0 fill the first 10 batches.
-        assert set(ids[:40]) == set(range(40))
-    assert all(len(b) == GLOBAL_ROWS for b in first)
-    other_seed = [b["example_ids"].tolist() for b in epoch_batches(windows, seed=6, epoch=0, global_rows=GLOBAL_ROWS)]
-    assert other_seed != first
-    batch = next(epoch_batches(windows, seed=5, epoch=0, global_rows=GLOBAL_ROWS))
-    assert (batch["x"] == batch["example_ids"] * 10).all()  # the columns stay aligned
 
 
 def test_files_are_named_relative_to_the_source_root(tmp_path):
@@ -191,11 +168,13 @@ def test_epochs_differ_and_resume_mid_epoch_two_is_exact_from_another_folder(two
             for s in range(1, steps + 1)}
     epoch1, epoch2 = [both[s] for s in range(1, p + 1)], [both[s] for s in range(p + 1, 2 * p + 1)]
     assert epoch1 != epoch2  # a new order in the second epoch
-    # Each epoch is the documented permutation (data.epochs) of the pipeline's rows: one window here.
+    # Each epoch is the documented lane order (data.epochs) of the pipeline's rows: one window here.
     rows = two_copies["rows"]["a"]
-    window = {"example_ids": np.array([r["example_ids"] for r in rows] + [None], dtype=object)[:-1]}
+    stream = np.array([r["example_ids"] for r in rows] + [None], dtype=object)[:-1]
+    fetch = lambda ranges: {"example_ids": np.concatenate([stream[a:b] for a, b in ranges])}  # noqa: E731
     for e, epoch in enumerate((epoch1, epoch2)):
-        want = [sorted(np.concatenate(b["example_ids"]).tolist()) for b in epoch_batches([window], 0, e, GLOBAL_ROWS)]
+        order = batches(fetch, len(rows), 8192, GLOBAL_ROWS, range(GLOBAL_ROWS), 0, e, 0)
+        want = [sorted(np.concatenate(next(order)[2]["example_ids"]).tolist()) for _ in range(p)]
         assert epoch == want
         ids = [x for batch in epoch for x in batch]
         assert len(ids) == len(set(ids))  # no example twice in an epoch

@@ -115,6 +115,7 @@ def _train_configs(loop_config: dict) -> None:
 
     from raytrain_hymt.checkpoint import RunState, save_rank_checkpoint, step_tag
     from raytrain_hymt.export import export_from_engine
+    from raytrain_hymt.ranks import rank_rows
     from raytrain_hymt.worker import LoopInputs, Worker
 
     out = Path(loop_config["out"])
@@ -128,7 +129,8 @@ def _train_configs(loop_config: dict) -> None:
         w.build()
         if w.cfg.deepspeed.zero_stage == 0:
             record_exact_grad_norm(w.engine)  # the fp32 reference: the norm the ZeRO stages report
-        steps = [w.train_step(b) for b in batches]
+        b = w.cfg.optim.micro_batch_size
+        steps = [w.train_step(rank_rows(batch, rank, w.world, w.accum, b)) for batch in batches]
         results[name] = {k: [s[k] for s in steps] for k in steps[0]}
         if run.get("probe"):
             # The trained model's logits on a fixed batch (under ZeRO-3 every rank takes part in a forward).

@@ -1,18 +1,40 @@
-"""A new, reproducible order of the training rows every epoch, without holding the epoch in memory.
+"""Which rows form each global batch of each epoch, laid out so that every rank reads only its own rows.
 
-The pipeline gives the rows one seeded order. Each epoch reads that stream in windows of whole global
-batches (``data.epoch_shuffle_rows`` rows) and permutes every window with its own seed
-``(data.seed, epoch, window)``: two epochs differ, the same epoch is the same on every run, and a worker
-holds one window at a time. Because an epoch's batches depend only on the seed, the epoch and the
-stream, a resumed run that skips the first ``batch_in_epoch`` batches trains exactly the rows an
-uninterrupted run would have trained next.
+The pipeline gives the training rows one seeded order (the stream). An epoch cuts the stream into windows
+of ``W`` rows (``data.epoch_shuffle_rows`` rounded down to whole global batches of ``G`` rows) and each
+window of ``n`` rows into ``G`` lanes: lane ``j`` is the contiguous stretch of ``L = n // G`` rows
+starting at ``offset + j·L`` (``offset`` is 0 for a whole window; the last, shorter window leaves
+``n - G·L`` rows out, starting at a seeded offset, so a different few each epoch). Global batch ``b`` of
+the window takes from every lane ``j`` its row ``perm_j[b]``, where ``perm_j`` is the permutation of
+``L`` rows seeded by ``(data.seed, epoch, window, j)``; that row sits at position ``j`` of the batch.
+
+So the rows of a global batch depend on the seed, the epoch and the stream only, never on the worker
+count; and because position ``j`` is always filled from lane ``j``, the ranks that train positions
+``P`` (:func:`rank_lanes`) need only those lanes' stretches of each window: about ``W / world`` rows,
+contiguous, fetched before they are trained on and never sliced out of rows read in full. A resumed run
+that skips the first ``skip`` batches of an epoch skips whole windows unread.
+
+The price of lanes, compared with one permutation of the whole window: two rows of the same lane never
+share a global batch in that epoch (their lane changes only when the window does), and a row's position
+in its batch (so its rank) is the same every epoch. The rows are already in a seeded order, so a lane is
+a random sample of its window; the gradient of a step does not depend on which rank computed which row.
+
+Pure: numpy only. The fetch itself is :mod:`raytrain_hymt.data.blocks`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from raytrain_hymt.config import Config
+
+#: ``fetch(ranges)``: the rows of the stream ranges ``[(start, stop), ...]``, concatenated in that order,
+#: as numpy columns.
+Fetch = Callable[[list[tuple[int, int]]], dict[str, np.ndarray]]
 
 
 def window_rows(shuffle_rows: int, global_rows: int) -> int:
@@ -20,30 +42,75 @@ def window_rows(shuffle_rows: int, global_rows: int) -> int:
     return max(1, shuffle_rows // global_rows) * global_rows
 
 
-def epoch_permutation(n: int, seed: int, epoch: int, window: int) -> np.ndarray:
-    """The permutation of a window of ``n`` rows in ``epoch`` (PCG64 seeded with seed, epoch, window)."""
-    return np.random.default_rng([seed & (2**64 - 1), epoch, window]).permutation(n)
+def lane_rows(shuffle_rows: int, global_rows: int) -> int:
+    """Rows of one lane of a whole window: the block size that lets every rank fetch whole blocks."""
+    return window_rows(shuffle_rows, global_rows) // global_rows
 
 
-def epoch_batches(windows: Iterable[dict[str, np.ndarray]], seed: int, epoch: int, global_rows: int) -> Iterator[dict]:
-    """Global batches of ``global_rows`` rows of one epoch, from the stream's windows (numpy column
-    dicts of :func:`window_rows` rows, the last one shorter): each window's rows permuted, cut into
-    whole global batches; the rows of an incomplete last batch are left out, as ``drop_last`` would."""
-    for index, rows in enumerate(windows):
-        n = len(next(iter(rows.values())))
-        order = epoch_permutation(n, seed, epoch, index)
-        for start in range(0, n - global_rows + 1, global_rows):
-            take = order[start : start + global_rows]
-            yield {k: v[take] for k, v in rows.items()}
+def block_rows(cfg: Config) -> int:
+    """Rows per block of the training rows (object-store blocks, Parquet row groups): one lane of a
+    whole window of ``cfg``'s global batch, so that every rank's stretch of a window is whole blocks."""
+    return lane_rows(cfg.data.epoch_shuffle_rows, cfg.optim.rows_per_step(cfg.scaling.num_workers))
 
 
-def global_batches(read_epoch: Callable[[], Iterable[dict[str, np.ndarray]]], seed: int, epoch: int, skip: int,
-                   global_rows: int) -> Iterator[tuple[int, int, dict]]:
-    """``(epoch, index in epoch, global batch)`` from ``epoch`` on, without end: each epoch reads the
-    stream again (``read_epoch()`` gives its windows) in its own order; the first ``skip`` batches of the
-    first epoch, trained before a resume, are left out."""
+def rank_lanes(rank: int, world: int, accum: int, micro_batch: int) -> list[int]:
+    """Positions of the global batch (lanes) that ``rank`` trains, in micro-step order: micro-step
+    ``a`` takes positions ``[(a·world + rank)·b, (a·world + rank + 1)·b)`` (``ranks.rank_slice``)."""
+    return [(a * world + rank) * micro_batch + i for a in range(accum) for i in range(micro_batch)]
+
+
+def epoch_windows(total_rows: int, window: int) -> list[tuple[int, int]]:
+    """``(first stream row, rows)`` of each window of an epoch; the last one may be shorter."""
+    return [(start, min(window, total_rows - start)) for start in range(0, total_rows, window)]
+
+
+def lane_layout(n: int, global_rows: int, seed: int, epoch: int, window: int) -> tuple[int, int]:
+    """``(lane rows, offset)`` of a window of ``n`` rows: ``n // global_rows`` rows per lane, and where
+    lane 0 starts (seeded: the ``n mod global_rows`` rows left out differ from epoch to epoch)."""
+    lane, spare = divmod(n, global_rows)
+    # Key global_rows: after the last lane's, so the offset's stream is none of the lanes' streams.
+    offset = int(_rng(seed, epoch, window, global_rows).integers(0, spare + 1)) if spare and lane else 0
+    return lane, offset
+
+
+def lane_permutation(lane: int, seed: int, epoch: int, window: int, j: int) -> np.ndarray:
+    """The order in which lane ``j`` of ``window`` gives its ``lane`` rows to the window's batches."""
+    return _rng(seed, epoch, window, j).permutation(lane)
+
+
+def _rng(seed: int, epoch: int, window: int, key: int) -> np.random.Generator:
+    # PCG64 seeded by the tuple: the same stream on every machine and numpy version that keeps PCG64.
+    return np.random.default_rng([seed & (2**64 - 1), epoch, window, key])
+
+
+def lane_ranges(start: int, lane: int, offset: int, lanes: Sequence[int]) -> list[tuple[int, int]]:
+    """Stream rows of ``lanes`` in a window that starts at stream row ``start``, one range per lane."""
+    first = start + offset
+    return [(first + j * lane, first + (j + 1) * lane) for j in lanes]
+
+
+def batches(fetch: Fetch, total_rows: int, window: int, global_rows: int, lanes: Sequence[int], seed: int,
+            epoch: int, skip: int) -> Iterator[tuple[int, int, dict[str, np.ndarray]]]:
+    """``(epoch, index in epoch, rows)`` from ``epoch`` on, without end: ``rows`` are the positions
+    ``lanes`` of each global batch, in that order (all lanes, ``range(global_rows)``: the whole batch).
+
+    Each window's lanes are fetched once (``fetch``), when the first of its batches is due; the first
+    ``skip`` batches of the first epoch (trained before a resume) are left out, and a window that holds
+    only such batches is never fetched.
+    """
     while True:
-        for index, batch in enumerate(epoch_batches(read_epoch(), seed, epoch, global_rows)):
-            if index >= skip:
-                yield epoch, index, batch
+        index = 0
+        for w, (start, n) in enumerate(epoch_windows(total_rows, window)):
+            lane, offset = lane_layout(n, global_rows, seed, epoch, w)
+            if index + lane <= skip:
+                index += lane
+                continue
+            rows = fetch(lane_ranges(start, lane, offset, lanes))
+            orders = np.stack([lane_permutation(lane, seed, epoch, w, j) for j in lanes])  # [lanes, lane]
+            base = np.arange(len(lanes)) * lane  # where each lane's rows begin in ``rows``
+            for b in range(lane):
+                if index >= skip:
+                    take = base + orders[:, b]
+                    yield epoch, index, {k: v[take] for k, v in rows.items()}
+                index += 1
         epoch, skip = epoch + 1, 0

@@ -2,10 +2,13 @@
 sort by a seeded hash of the pair → per partition: dedup, weights, order → pack.
 
 The result is two datasets of training rows in a fixed order (same seed, same rows, same order on every
-run and worker count) plus the statistics of what was kept and dropped. Each training worker reads the
-whole ordered stream and takes its own slice of every global batch (``ranks.rank_slice``), which
-makes batches independent of the worker count and lets a restarted run skip exactly the rows it already
-trained on.
+run and worker count) plus the statistics of what was kept and dropped. The training rows are cut into
+blocks of one lane of a window (:func:`~raytrain_hymt.data.epochs.block_rows`): each epoch assigns every
+position of every global batch to a lane, a contiguous stretch of the stream, before anything is read
+(:mod:`~raytrain_hymt.data.epochs`), and each training rank fetches only the blocks of its own lanes
+(:mod:`~raytrain_hymt.data.blocks`). Batches do not depend on the worker count, and a restarted run
+skips the rows it already trained on without reading them. Validation rows are not split: every rank
+reads the whole validation stream and evaluates its slice of each batch.
 
 One sort serves dedup and order: its key is a seeded hash of the pair (``group_key``), so every copy
 of a pair (duplicates, weighted copies, both directions) lands in one partition, and which pairs share
@@ -18,8 +21,8 @@ the smallest ``example_id`` of each pair, and the sort uses fixed partition boun
 layout that packing sees is the same on every run (Ray's sort samples its boundaries at random when none
 are given).
 
-``build_datasets`` materializes its results (each training worker then reads the object store, not the
-pipeline again). For corpora larger than the cluster's object store, ``hymt prepare`` writes the rows to
+``build_datasets`` materializes its results (each training rank then fetches its blocks from the object
+store, not the pipeline again). For corpora larger than the cluster's object store, ``hymt prepare`` writes the rows to
 Parquet once (:mod:`raytrain_hymt.prepare`, :mod:`raytrain_hymt.data.prepared`) and ``data.prepared_path`` streams them from there.
 """
 
@@ -35,6 +38,7 @@ import pyarrow as pa
 from raytrain_hymt.config import Config, DataConfig
 from raytrain_hymt.data.actor_pool import map_on_actors
 from raytrain_hymt.data.cleaning import CleaningRules, check_bad_fraction, clean_batch, format_sample, pair_key, split_key
+from raytrain_hymt.data.epochs import block_rows
 from raytrain_hymt.data.packing import as_single_rows, pack_examples
 from raytrain_hymt.data.prompts import expand_directions
 from raytrain_hymt.data.sources import plan_source, read_units
@@ -388,5 +392,7 @@ def build_datasets(cfg: Config):
 
         return read_prepared(cfg)
     train, val, stats = lazy_datasets(cfg)
-    train, val = train.materialize(), val.materialize()
+    # Blocks of one lane each (data.blocks): a training rank fetches only the blocks of its own lanes.
+    train = train.repartition(target_num_rows_per_block=block_rows(cfg), strict=True).materialize()
+    val = val.materialize()
     return train, val, fill_row_stats(stats, train, val)

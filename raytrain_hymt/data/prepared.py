@@ -17,8 +17,9 @@ everything else in ``<out>`` deleted: until the new manifest is written the old 
 
 ``data.prepared_path: <out>`` makes :func:`~raytrain_hymt.data.pipeline.build_datasets` stream these
 files instead of reading and tokenizing the sources: same columns, same rows, same order. The rows are
-not materialized then; every training worker reads the Parquet files itself (cheap, unlike re-running
-tokenization), which is what lets a corpus larger than the object store train.
+not materialized then; every training rank reads the row groups of its own rows from the Parquet files
+itself (:mod:`raytrain_hymt.data.blocks`; ``hymt prepare`` writes row groups of one lane of a window
+each), which is what lets a corpus larger than the object store train.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import uuid
 from dataclasses import asdict
 
 from raytrain_hymt.config import Config
+from raytrain_hymt.data.epochs import block_rows
 from raytrain_hymt.errors import DataSourceError
 from raytrain_hymt.data.stats import DataStats, fill_row_stats
 from raytrain_hymt.storage import is_uri
@@ -60,8 +62,8 @@ def _join(base: str, name: str) -> str:
     return f"{base.rstrip('/')}/{name}"
 
 
-def _fs(path: str):
-    """``(pyarrow filesystem, path on it)`` of a local folder or URI."""
+def filesystem(path: str):
+    """``(pyarrow filesystem, path on it)`` of a local path or URI."""
     import pyarrow.fs as pafs
 
     if is_uri(path):
@@ -72,7 +74,7 @@ def _fs(path: str):
 def _write_text(path: str, text: str) -> None:
     """Write a file whole: a local file through a rename, an object in one upload."""
     if is_uri(path):
-        fs, inner = _fs(path)
+        fs, inner = filesystem(path)
         with fs.open_output_stream(inner) as f:
             f.write(text.encode())
     else:
@@ -94,7 +96,7 @@ def _entries(out: str) -> list:
     """What ``out`` holds at its top level ([] when it does not exist)."""
     import pyarrow.fs as pafs
 
-    fs, inner = _fs(out)
+    fs, inner = filesystem(out)
     return fs.get_file_info(pafs.FileSelector(inner, allow_not_found=True))
 
 
@@ -102,7 +104,7 @@ def _written_files(out: str, folder: str) -> list[str]:
     """The Parquet files this prepare wrote into its own fresh ``folder``, relative to ``out``, in row order."""
     import pyarrow.fs as pafs
 
-    fs, inner = _fs(_join(out, folder))
+    fs, inner = filesystem(_join(out, folder))
     infos = fs.get_file_info(pafs.FileSelector(inner, allow_not_found=True))
     names = sorted((i.base_name for i in infos if i.is_file and i.base_name.endswith(".parquet")), key=_file_order)
     return [f"{folder}/{n}" for n in names]
@@ -117,8 +119,11 @@ def write_prepared(cfg: Config, out: str, train, val, stats: DataStats, fingerpr
     with a new manifest and delete what an earlier dataset left; the statistics with the row counts."""
     write_id = f"w-{uuid.uuid4().hex[:12]}"
     # Packed from the materialized, ordered examples straight into files: the packed rows are never
-    # materialized as a whole.
-    train.write_parquet(_join(out, f"{write_id}/train"))
+    # materialized as a whole. Row groups of one lane each (data.blocks): a training rank reads only
+    # the row groups of its own lanes.
+    group = block_rows(cfg)
+    train.repartition(target_num_rows_per_block=group, strict=True).write_parquet(
+        _join(out, f"{write_id}/train"), row_group_size=group)
     val.write_parquet(_join(out, f"{write_id}/val"))
     files = {split: _written_files(out, f"{write_id}/{split}") for split in ("train", "val")}
     stats = fill_row_stats(stats, *_read_files(out, files))
@@ -149,7 +154,7 @@ def _delete_all_but(out: str, keep: set[str]) -> None:
     """Remove what an earlier dataset left in ``out`` (after the new manifest no reader sees it)."""
     import pyarrow.fs as pafs
 
-    fs, _ = _fs(out)
+    fs, _ = filesystem(out)
     for entry in _entries(out):
         if entry.base_name not in keep:
             if entry.type == pafs.FileType.Directory:
@@ -188,6 +193,23 @@ def read_manifest(path: str) -> dict:
             f"data.prepared_path {path!r}: no {MANIFEST_FILE} ({e}): not a prepared dataset, one whose "
             "prepare did not finish, or one from before manifests; run hymt prepare (with --overwrite) first"
         ) from None
+
+
+def train_row_groups(path: str) -> tuple[list[str], list[tuple[int, int]], list[int]]:
+    """The training row groups of the prepared dataset at ``path``, in row order, from the Parquet
+    footers: ``(files, [(file index, row group)], [rows])``."""
+    import pyarrow.parquet as pq
+
+    files = [_join(path, f) for f in read_manifest(path)["files"]["train"]]
+    groups, rows = [], []
+    for i, name in enumerate(files):
+        fs, inner = filesystem(name)
+        with fs.open_input_file(inner) as f:
+            meta = pq.ParquetFile(f).metadata
+        for g in range(meta.num_row_groups):
+            groups.append((i, g))
+            rows.append(meta.row_group(g).num_rows)
+    return files, groups, rows
 
 
 def read_prepared(cfg: Config):
