@@ -37,6 +37,7 @@ def train_loop(loop_config: dict) -> None:
 
     from raytrain_hymt.data.blocks import RowFetcher
     from raytrain_hymt.data.epochs import batches, rank_lanes, window_rows
+    from raytrain_hymt.errors import DataSourceError
     from raytrain_hymt.progress import Publisher
     from raytrain_hymt.quiet import quiet_ray
 
@@ -60,6 +61,9 @@ def train_loop(loop_config: dict) -> None:
                      f", resuming after step {at.step} (epoch {at.epoch}, skipping {at.batch_in_epoch} batches)"
                      if state else "")
         fetch = RowFetcher(inputs.train_blocks)
+        if fetch.total_rows != inputs.train_rows:  # the step count was planned from train_rows
+            raise DataSourceError(f"the training blocks hold {fetch.total_rows} rows but the data statistics "
+                                  f"count {inputs.train_rows}: the dataset changed after it was counted")
         window = window_rows(cfg.data.epoch_shuffle_rows, w.global_rows)
         lanes = rank_lanes(w.rank, w.world, w.accum, cfg.optim.micro_batch_size)
         steps = StepHandler(w, tracker, progress, fetch)

@@ -189,7 +189,7 @@ def test_checkpoints_carry_the_fingerprint_and_a_changed_corpus_stops_the_resume
     saved = json.loads((newest / "state.json").read_text())["data_fingerprint"]
     size = corpus.stat().st_size
     assert saved["sources"][0]["files"] == {"corpus.tsv": [size, saved["sources"][0]["files"]["corpus.tsv"][1]]}
-    assert saved["order"] == {"seed": 0, "epoch_shuffle_rows": 8192}
+    assert saved["order"] == {"seed": 0, "epoch_shuffle_rows": 8192, "epoch_order": "lanes"}
     assert saved["settings"]["pack_tokens"] == 128 and saved["settings"]["tokenizer"] == "tiny"
 
     edited = root / "edited" / "corpus.tsv"

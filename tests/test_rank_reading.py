@@ -2,7 +2,7 @@
 
 The pure tests check the lane layout of :mod:`raytrain_hymt.data.epochs` on numbers. The training tests
 run the real stack (Ray Train, DeepSpeed ZeRO-2 fp32, CPU workers, the tiny model) on ~220 packed rows,
-global batch 8 rows, windows of 32 rows (lanes and blocks of 4 rows): the rows each rank fetched are
+global batch 16 rows, windows of 64 rows (lanes and blocks of 4 rows): the rows each rank fetched are
 counted where it fetches them (``data.blocks.RowFetcher``: the ``ray.get`` of an object-store block, the
 ``read_row_group`` of a Parquet row group) and reach the test through the per-step record
 (``faults.record_step``), as do the example ids of every rank's rows.
@@ -97,16 +97,25 @@ def test_blocks_are_one_lane_of_a_window():
     assert block_rows(cfg) == 4  # windows of 32 rows, 8 lanes of 4
 
 
+def test_a_checkpoint_of_the_order_before_lanes_does_not_resume_silently():
+    from raytrain_hymt.data.fingerprint import compare_fingerprints, data_fingerprint
+
+    cfg = load_config(None, [])
+    new = data_fingerprint(cfg)
+    before = {**new, "order": {"seed": 0, "epoch_shuffle_rows": 8192}}  # what a checkpoint of the old order holds
+    assert compare_fingerprints(before, new) == ["data.epoch_order: None → 'lanes'"]
+
+
 # ------------------------------------------------------------------------------------ training
 
-GLOBAL_ROWS, SHUFFLE, BLOCK = 8, 32, 4
+GLOBAL_ROWS, SHUFFLE, BLOCK = 16, 64, 4
 
 
 def _overrides(storage: Path, name: str, workers: int, **extra) -> list[str]:
     values = {
         "data.sources": f"[{{path: '{storage.parent}/corpus/*.tsv', format: tatoeba}}]", "data.val_fraction": 0.0,
         "data.pack_tokens": 128, "data.max_example_tokens": 128, "data.epoch_shuffle_rows": SHUFFLE,
-        "optim.global_batch_rows": GLOBAL_ROWS, "optim.micro_batch_size": 2, "optim.warmup_steps": 0,
+        "optim.global_batch_rows": GLOBAL_ROWS, "optim.micro_batch_size": 4, "optim.warmup_steps": 0,
         "scaling.num_workers": workers, "run.storage_root": str(storage), "run.name": name, "run.export": False,
         "tracking.enabled": False, "eval.every_steps": 1000, "checkpoint.every_steps": 1000,
     }
@@ -203,7 +212,7 @@ def test_a_resume_fetches_only_what_remains(runs):
         print(f"resume rank {rank}: fetched {fetched} rows for {remaining} left "
               f"(first attempt: {first[-1]['rows_fetched']} rows for {len(first)} steps)")
         # Window 0 (steps 1-4) is never fetched again; window 1 (steps 5-8) is, for steps 7 and 8; then
-        # window 2 (steps 9-12): 2 windows of 32 rows, 16 of each for this rank.
+        # window 2 (steps 9-12): 2 windows of 64 rows, 32 of each for this rank.
         assert fetched == 2 * SHUFFLE // 2 and remaining <= fetched <= remaining + SHUFFLE // 2
 
 
@@ -215,3 +224,4 @@ def test_global_batches_are_the_same_on_1_2_and_4_workers(runs):
     assert all(len(ids) >= GLOBAL_ROWS for ids in four.values())  # a packed row holds one example or more
     assert two == {s: four[s] for s in two}  # across a failure and a resume on 2 workers, too
     assert one == {s: four[s] for s in one}
+

@@ -4,7 +4,7 @@ A fingerprint is a plain JSON-able dict::
 
     {"sources": [{"path", "format", "src_lang", ..., "files": {stable name: [bytes, content hash]}}],
      "settings": {cleaning, split, tokenizer and row-layout settings},
-     "order": {"seed", "epoch_shuffle_rows"},  # the seeded order, and each epoch's permutation
+     "order": {"seed", "epoch_shuffle_rows", "epoch_order"},  # the seeded order, each epoch's lanes
      "prepared": {"path", "id"}}            # only with data.prepared_path: the manifest's id
 
 Files are named as their rows' ``example_id`` names them (relative to the source's root,
@@ -95,7 +95,9 @@ def sources_fingerprint(cfg: Config) -> dict:
 
 def data_fingerprint(cfg: Config) -> dict:
     """The fingerprint of the data ``cfg`` trains on: its sources, or its prepared dataset's manifest."""
-    order = {"seed": cfg.data.seed, "epoch_shuffle_rows": cfg.data.epoch_shuffle_rows}
+    # epoch_order names the scheme of data.epochs: a checkpoint of the whole-window permutation before
+    # it (no such key) would resume on other batches, so it differs.
+    order = {"seed": cfg.data.seed, "epoch_shuffle_rows": cfg.data.epoch_shuffle_rows, "epoch_order": "lanes"}
     if cfg.data.prepared_path:
         from raytrain_hymt.data.prepared import read_manifest
 
