@@ -1,6 +1,8 @@
 """The default job (`make train`: preset tiny-cpu, no overrides) reproduces its recorded step-by-step
-losses exactly. ``tests/assets/losses/default_job.json`` was recorded before the #13 refactor, so any
-change that moves the trajectory (data order, packing, loss normalisation, schedule) fails here."""
+losses exactly. ``tests/assets/losses/default_job.json`` was recorded before the #13 refactor and
+re-recorded (``python jobs/train.py``, its ``metrics.jsonl``) when each rank began to fetch only its own
+lanes of the data (#16), so any change that moves the trajectory (data order, packing, loss
+normalisation, schedule) fails here."""
 
 from __future__ import annotations
 
