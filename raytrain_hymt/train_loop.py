@@ -4,9 +4,9 @@ Data position: the pipeline fixes the row order and each epoch's batches are see
 (:mod:`~raytrain_hymt.data.epochs`), so the position is the epoch and the number of global batches
 consumed in it (``RunState.batch_in_epoch``); a resumed run skips that many global batches, without
 fetching the windows they came from, and trains exactly the rows an uninterrupted run would have
-trained next. Each rank fetches only its own rows of every batch (:mod:`~raytrain_hymt.data.blocks`). One step of the loop is
-:meth:`~raytrain_hymt.worker.Worker.train_step`; this module adds validation, BLEU, logging, progress
-and checkpoints around it.
+trained next. Each rank fetches only its own rows of every batch (:mod:`~raytrain_hymt.data.blocks`).
+One step of the loop is :meth:`~raytrain_hymt.worker.Worker.train_step`; this module adds validation,
+BLEU, logging, progress and checkpoints around it.
 """
 
 from __future__ import annotations
