@@ -101,7 +101,7 @@ class Worker:
         from raytrain_hymt.checkpoint import base_identity
         from raytrain_hymt.engine import initialize_engine
         from raytrain_hymt.metrics import matmul_params, peak_flops
-        from raytrain_hymt.model import load_model, use_fused_loss
+        from raytrain_hymt.model import align_frozen_head, load_model, use_fused_loss
         from raytrain_hymt.tokenizer import load_tokenizer
 
         cfg = self.cfg
@@ -119,6 +119,8 @@ class Worker:
         self.engine, self.ds_config = initialize_engine(
             model, cfg, self.world, self.total_steps, on_gpu=self.device.type == "cuda"
         )
+        if not cfg.model.fused_loss:  # after initialize, which may have moved the weights
+            align_frozen_head(self.engine.module)
         # from_pretrained returns a model in eval mode, where transformers skips activation checkpointing
         # and dropout: every model source trains in train mode from the first step.
         self.engine.train()
