@@ -215,10 +215,11 @@ def bench_loop(loop_config: dict, context=None, shard=None) -> None:
     opt = w.cfg.optim
     global_rows = w.world * opt.grad_accum * opt.micro_batch_size
     batches = shard.iter_batches(batch_size=global_rows, batch_format="numpy", drop_last=True, prefetch_batches=2)
+    mine = lambda batch: rank_rows(batch, w.rank, w.world, opt.grad_accum, opt.micro_batch_size)  # noqa: E731
     steps = []
     last = time.perf_counter()
     for global_batch in batches:
-        m = w.train_step(rank_rows(global_batch, w.rank, w.world, opt.grad_accum, opt.micro_batch_size))
+        m = w.train_step(mine(global_batch))
         now = time.perf_counter()
         seconds = m["train/step_time_s"]
         # An integer count recovered from a rate: rounding removes the float error (1954.0000000000002)
@@ -237,7 +238,7 @@ def bench_loop(loop_config: dict, context=None, shard=None) -> None:
     if bench.get("profile") and w.device.type == "cuda":  # one more step, under the profiler, not timed above
         from benchmarks.profile_step import profile_call
 
-        _, profile = profile_call(w.train_step, next(iter(batches)))
+        _, profile = profile_call(w.train_step, mine(next(iter(batches))))
     peak = torch.tensor([m["train/memory_gib"], m.get("train/memory_reserved_gib", 0.0)], dtype=torch.float64,
                         device=w.device)
     if dist.is_initialized():
