@@ -20,6 +20,7 @@ import pytest
 from fault_tolerance_common import attempts, effective, read_records
 from raytrain_hymt.config import load_config
 from raytrain_hymt.data.epochs import batches, block_rows, lane_layout, rank_lanes, window_rows
+from raytrain_hymt.data.stats import DataStats
 from raytrain_hymt.ranks import rank_rows, rank_slice
 from raytrain_hymt.sample import SAMPLE_CORPUS
 
@@ -95,6 +96,16 @@ def test_a_resume_never_fetches_the_windows_it_skips():
 def test_blocks_are_one_lane_of_a_window():
     cfg = load_config(None, ["optim.global_batch_rows=8", "optim.micro_batch_size=2", "data.epoch_shuffle_rows=35"])
     assert block_rows(cfg) == 4  # windows of 32 rows, 8 lanes of 4
+    # A stream shorter than a window: lanes of the stream itself. 1,000 tokens make at least 10 packs of
+    # 100 tokens (lanes of 1 row), 63 of 16 (lanes of 7 rows); a window is 96 rows (lanes of 12).
+    small = load_config(None, ["optim.global_batch_rows=8", "optim.micro_batch_size=2", "data.epoch_shuffle_rows=99",
+                               "data.pack_tokens=100", "data.max_example_tokens=100"])
+    assert block_rows(small, DataStats(train_tokens=1000, train_examples=50)) == 1
+    small.data.pack_tokens = small.data.max_example_tokens = 16
+    assert block_rows(small, DataStats(train_tokens=1000, train_examples=50)) == 7
+    small.data.packing = False  # one row per example
+    assert block_rows(small, DataStats(train_tokens=1000, train_examples=20)) == 2
+    assert block_rows(small, DataStats(train_tokens=1000, train_examples=2000)) == 12  # a window of 96
 
 
 def test_a_checkpoint_of_the_order_before_lanes_does_not_resume_silently():

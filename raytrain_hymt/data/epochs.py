@@ -31,6 +31,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from raytrain_hymt.config import Config
+    from raytrain_hymt.data.stats import DataStats
 
 #: ``fetch(ranges)``: the rows of the stream ranges ``[(start, stop), ...]``, concatenated in that order,
 #: as numpy columns.
@@ -47,10 +48,18 @@ def lane_rows(shuffle_rows: int, global_rows: int) -> int:
     return window_rows(shuffle_rows, global_rows) // global_rows
 
 
-def block_rows(cfg: Config) -> int:
+def block_rows(cfg: Config, stats: DataStats | None = None) -> int:
     """Rows per block of the training rows (object-store blocks, Parquet row groups): one lane of a
-    whole window of ``cfg``'s global batch, so that every rank's stretch of a window is whole blocks."""
-    return lane_rows(cfg.data.epoch_shuffle_rows, cfg.optim.rows_per_step(cfg.scaling.num_workers))
+    whole window of ``cfg``'s global batch, so that every rank's stretch of a window is whole blocks.
+    A stream shorter than a window (``stats``: the fewest rows its examples can make, one per example
+    or their tokens in full packs) gets one lane of itself: else one block would hold the whole stream,
+    and every rank would fetch it."""
+    global_rows = cfg.optim.rows_per_step(cfg.scaling.num_workers)
+    window = window_rows(cfg.data.epoch_shuffle_rows, global_rows)
+    if stats is not None:
+        fewest = -(-stats.train_tokens // cfg.data.pack_tokens) if cfg.data.packing else stats.train_examples
+        window = min(window, fewest)
+    return max(1, window // global_rows)
 
 
 def rank_lanes(rank: int, world: int, accum: int, micro_batch: int) -> list[int]:

@@ -393,6 +393,6 @@ def build_datasets(cfg: Config):
         return read_prepared(cfg)
     train, val, stats = lazy_datasets(cfg)
     # Blocks of one lane each (data.blocks): a training rank fetches only the blocks of its own lanes.
-    train = train.repartition(target_num_rows_per_block=block_rows(cfg), strict=True).materialize()
+    train = train.repartition(target_num_rows_per_block=block_rows(cfg, stats), strict=True).materialize()
     val = val.materialize()
     return train, val, fill_row_stats(stats, train, val)

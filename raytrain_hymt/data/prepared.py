@@ -121,7 +121,7 @@ def write_prepared(cfg: Config, out: str, train, val, stats: DataStats, fingerpr
     # Packed from the materialized, ordered examples straight into files: the packed rows are never
     # materialized as a whole. Row groups of one lane each (data.blocks): a training rank reads only
     # the row groups of its own lanes.
-    group = block_rows(cfg)
+    group = block_rows(cfg, stats)
     train.repartition(target_num_rows_per_block=group, strict=True).write_parquet(
         _join(out, f"{write_id}/train"), row_group_size=group)
     val.write_parquet(_join(out, f"{write_id}/val"))
