@@ -10,6 +10,9 @@ import pytest
 # Before anything imports deepspeed or starts Ray (both read these once).
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
+# Ray Train starts a preemption-watcher actor (a process of its own, ~1.5 CPU-s here) with every fit; it only
+# logs node drains, which no test's fit has (the two-node test kills its node with SIGKILL).
+os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.pop("MLFLOW_TRACKING_URI", None)
 os.environ.pop("RAY_ADDRESS", None)
