@@ -211,8 +211,9 @@ def build_trainer(cfg: Config, train, val, loop_inputs: dict, callbacks=(), loop
         loop or train_loop,
         train_loop_config=loop_inputs,
         scaling_config=ray.train.ScalingConfig(
-            num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
+            num_workers=_ray_num_workers(cfg), use_gpu=cfg.scaling.use_gpu,
             resources_per_worker={"CPU": cfg.scaling.cpus_per_worker},
+            elastic_resize_monitor_interval_s=cfg.scaling.elastic_resize_monitor_interval_s,
         ),
         datasets={"train": train, "val": val},
         # Every worker reads the whole ordered stream and takes its slice (ranks.rank_slice).
@@ -226,6 +227,12 @@ def build_trainer(cfg: Config, train, val, loop_inputs: dict, callbacks=(), loop
             callbacks=list(callbacks),
         ),
     )
+
+
+def _ray_num_workers(cfg: Config) -> int | tuple[int, int]:
+    """Ray Train's ``num_workers``: a count, or ``(min, max)`` for an elastic run (``scaling.min_workers``)."""
+    s = cfg.scaling
+    return s.num_workers if s.min_workers is None else (s.min_workers, s.num_workers)
 
 
 def preflight(cfg: Config) -> None:
