@@ -296,17 +296,18 @@ def test_worker_node_lost_on_two_node_cluster(reference, two_node_cluster, tmp_p
 
 #: The elastic run's rank 0 waits before this step, once (the attempt on the workers left), until the
 #: returning node makes Ray resize the worker group.
-STALL_STEP = 8
+STALL_STEP = 10
 
 
 @pytest.mark.integration
 def test_elastic_run_goes_on_with_the_workers_left_and_grows_back(reference, two_node_cluster, tmp_path):
     """``scaling.min_workers=1, num_workers=2`` with ``optim.global_batch_rows=4`` (the reference's 2 × 2
-    rows): the second node dies after step 2, Ray Train restarts the run from its latest checkpoint on the
-    one worker left (accumulation 2; a worker-group error, charged to ``max_failures``), which saves
-    checkpoint 6 and waits before step 8 while the node comes back; after
-    ``elastic_resize_monitor_interval_s`` Ray resizes the group: a restart from checkpoint 6 on two
-    workers. Every step's loss, weights and example ids are the uninterrupted 2-worker reference's."""
+    rows): the second node dies once checkpoint 4 is saved, Ray Train restarts the run from its latest
+    checkpoint on the one worker left (accumulation 2; a worker-group error, charged to ``max_failures``),
+    which saves checkpoint 8 and waits before step 10 while the node comes back; after
+    ``elastic_resize_monitor_interval_s`` Ray resizes the group: a restart from checkpoint 8 on two
+    workers. Every step's loss, weights and example ids are the uninterrupted 2-worker reference's (the
+    NaN step 3 is poisoned on rank 1, so it must be trained, and skipped, by the first attempt)."""
     record, cluster = tmp_path / "record", two_node_cluster
     stalled = tmp_path / "stalled"
     proc = _drive(cluster, tmp_path, "elastic", "scaling.min_workers=1", "scaling.num_workers=2",
@@ -316,7 +317,8 @@ def test_elastic_run_goes_on_with_the_workers_left_and_grows_back(reference, two
                   # Until the lost node is declared dead Ray still counts it and waits for 2 workers' room
                   # this long (60 s by default) before it decides again, on the workers left.
                   env={"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "10"})
-    _wait_until(proc, tmp_path, lambda: _last_step(record, 0) >= 2, "step 2")
+    # Step 5 starts after every rank reported checkpoint 4 (a barrier, synchronous upload).
+    _wait_until(proc, tmp_path, lambda: _last_step(record, 0) >= 5, "step 5")
     cluster.kill_node()
     killed_after = _last_step(record, 0)
     _wait_until(proc, tmp_path, stalled.exists, f"the one-worker attempt reached step {STALL_STEP}")
@@ -330,18 +332,18 @@ def test_elastic_run_goes_on_with_the_workers_left_and_grows_back(reference, two
     runs = attempts(records[0])
     assert [{r["world"] for r in run} for run in runs] == [{2}, {1}, {2}], [(run[0]["step"], run[-1]["step"]) for run in runs]
     first, alone, grown = runs
-    assert first[-1]["step"] >= killed_after >= 2
+    assert first[-1]["step"] >= killed_after >= 5
     # Each restart begins after a checkpoint (every 2 steps): the newest one the attempt before saved.
-    assert (alone[0]["step"] - 1) % 2 == 0 and alone[0]["step"] - 1 <= first[-1]["step"] < STALL_STEP - 2
-    assert alone[-1]["step"] == STALL_STEP - 1 and grown[0]["step"] == STALL_STEP - 1  # from checkpoint 6
+    assert (alone[0]["step"] - 1) % 2 == 0 and 4 <= alone[0]["step"] - 1 <= first[-1]["step"] < STALL_STEP - 2
+    assert alone[-1]["step"] == STALL_STEP - 1 and grown[0]["step"] == STALL_STEP - 1  # from checkpoint 8
     assert grown[0]["time"] > returned and grown[-1]["step"] == STEPS
     assert {r["node"] for r in alone} == {cluster.head_node_id}
     grown_rank1 = attempts(records[1])[-1]
     assert grown_rank1[0]["step"] == STALL_STEP - 1 and grown_rank1[0]["time"] > returned
     assert {r["node"] for r in grown + grown_rank1} == {cluster.head_node_id, cluster.node_id[0]}  # it came back
-    # Checkpoint 6 was saved by the one worker: the resize loaded it on two through the universal form.
-    checkpoint6 = json.loads((tmp_path / "runs" / "elastic" / "checkpoint_step00000006" / "state.json").read_text())
-    assert checkpoint6["world_size"] == 1
+    # Checkpoint 8 was saved by the one worker: the resize loaded it on two through the universal form.
+    checkpoint8 = json.loads((tmp_path / "runs" / "elastic" / "checkpoint_step00000008" / "state.json").read_text())
+    assert checkpoint8["world_size"] == 1
     # The final result: per step, every rank of the last attempt that trained it.
     latest = {}
     for rank_records in records.values():
