@@ -232,6 +232,11 @@ def bench_loop(loop_config: dict, context=None, shard=None) -> None:
                      m["train/tokens_per_s_per_worker"], m["train/loss"])
         if len(steps) >= bench["warmup"] + bench["steps"]:
             break
+    profile = None
+    if bench.get("profile") and w.device.type == "cuda":  # one more step, under the profiler, not timed above
+        from benchmarks.profile_step import profile_call
+
+        _, profile = profile_call(w.train_step, next(iter(batches)))
     peak = torch.tensor([m["train/memory_gib"], m.get("train/memory_reserved_gib", 0.0)], dtype=torch.float64,
                         device=w.device)
     if dist.is_initialized():
@@ -250,6 +255,7 @@ def bench_loop(loop_config: dict, context=None, shard=None) -> None:
             "build_s": build_s, "device": torch.cuda.get_device_name(w.device) if w.device.type == "cuda" else "cpu",
             "losses": [s["loss"] for s in steps], "step_times_s": [s["step_s"] for s in steps],
             "wall_times_s": [s["wall_s"] for s in steps], "overrides": bench["overrides"],
+            **({"profile": profile} if profile else {}),
         })
         Path(bench["result_path"]).write_text(json.dumps(result))
 
@@ -377,9 +383,12 @@ def _run_torchrun(cfg, train, loop_inputs: dict, workdir: Path, global_rows: int
 
 def run_benchmark(case_specs: list[str], *, shape: str = "7b", layers: int = 32, tied: bool = True,
                   steps: int = 10, warmup: int = 3, workers: int = 2, use_gpu: bool = True,
-                  out_dir: str | Path = "bench_out", extra: list[str] = (), model_dir: str | None = None) -> list[dict]:
+                  out_dir: str | Path = "bench_out", extra: list[str] = (), model_dir: str | None = None,
+                  profile: bool = False) -> list[dict]:
     """Run every case in turn; append one JSON line per case to ``<out_dir>/results.jsonl`` and write
-    ``<out_dir>/table.md``. A failing case (e.g. out of memory) is recorded with its error; the rest run."""
+    ``<out_dir>/table.md``. A failing case (e.g. out of memory) is recorded with its error; the rest run.
+    ``profile``: one more step per case under ``torch.profiler`` (GPU), summarised in the case's ``profile``
+    (:mod:`benchmarks.profile_step`)."""
     from raytrain_hymt.config import load_config
     from raytrain_hymt.session import init_ray
 
@@ -405,7 +414,7 @@ def run_benchmark(case_specs: list[str], *, shape: str = "7b", layers: int = 32,
         init_ray(cfg)
         opt = cfg.optim
         global_rows = workers * opt.grad_accum * opt.micro_batch_size
-        needed = global_rows * (warmup + steps)
+        needed = global_rows * (warmup + steps + int(profile))
         train, val, stats = _datasets(cfg, data_cache, needed)
         result_path = out / f"{_slug(case.name)}.result.json"
         result_path.unlink(missing_ok=True)
@@ -413,7 +422,7 @@ def run_benchmark(case_specs: list[str], *, shape: str = "7b", layers: int = 32,
             "config": cfg.model_dump(mode="json"), "train_rows": stats.train_rows, "tracking_run_id": None,
             "tracking_uri": None, "run_dir": str(out / "runs"),
             "bench": {"case": case.name, "launcher": "torchrun" if case.torchrun else "ray-train",
-                      "warmup": warmup, "steps": steps, "result_path": str(result_path),
+                      "warmup": warmup, "steps": steps, "result_path": str(result_path), "profile": profile,
                       "overrides": case.overrides},
         }
         log.info("case %s: %s", case.name, " ".join(case.overrides))

@@ -71,8 +71,10 @@ def _train_step(engine, vocab: int, tokens: int, device) -> float:
     return time.perf_counter() - started
 
 
-def measure(layers: int | None, gpu: bool, precision: str, zero_stage: int, tokens: int, tied: bool) -> dict:
-    """Figures for one model: bytes, parameters and the seconds of each checkpoint operation."""
+def measure(layers: int | None, gpu: bool, precision: str, zero_stage: int, tokens: int, tied: bool,
+            universal_dir: str | None = None) -> dict:
+    """Figures for one model: bytes, parameters and the seconds of each checkpoint operation.
+    ``universal_dir``: where the conversion writes (default: beside the checkpoint, in the temp folder)."""
     import torch
 
     from raytrain_hymt.checkpoint import RunState, check_checkpoint, restore_rank, save_rank_checkpoint, step_tag
@@ -112,7 +114,7 @@ def measure(layers: int | None, gpu: bool, precision: str, zero_stage: int, toke
         if gpu:
             torch.cuda.synchronize()
         restore_s = time.perf_counter() - started
-        universal_s, universal_gib = _universal_conversion(folder, state.tag, work / "universal")
+        universal_s, universal_gib = _universal_conversion(folder, state.tag, Path(universal_dir or work) / "universal")
         shutil.rmtree(folder, ignore_errors=True)
         return {"layers": layers if layers is not None else model.config.num_hidden_layers,
                 "model": "tiny" if layers is None else "hunyuan-mt-7b-width", "params": params,
@@ -133,6 +135,15 @@ def _universal_conversion(folder: str, tag: str, out: Path) -> tuple[float, floa
     from concurrent.futures import ProcessPoolExecutor
 
     from raytrain_hymt.reshard import convert_to_universal
+
+    # The conversion writes the fp32 weights and both Adam moments twice (extracted slices, then the
+    # universal files): a full disk shows up as torch.save's "unexpected pos" deep inside it.
+    need = 2 * sum(f.stat().st_size for f in Path(folder).rglob("*optim_states*"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(out.parent).free
+    if free < need:
+        raise RuntimeError(f"the universal conversion needs about {need / 2**30:.1f} GiB free in {out.parent}, "
+                           f"which has {free / 2**30:.1f} GiB: give --universal-dir on another filesystem")
 
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         seconds = pool.submit(convert_to_universal, folder, tag, out, 1).result()
@@ -166,17 +177,26 @@ def main(argv=None) -> int:
     p.add_argument("--zero-stage", type=int, default=2)
     p.add_argument("--tokens", type=int, default=None, help="tokens in the timed step (default 4096 GPU, 256 CPU)")
     p.add_argument("--out", default=None, help="also write the JSON lines to this file")
+    p.add_argument("--universal-dir", default=None,
+                   help="where the universal conversion writes (default: the temp folder of the checkpoint); "
+                        "at 7B width it needs about twice the optimizer states' size")
     args = p.parse_args(argv)
     precision = args.precision or ("bf16" if args.gpu else "fp32")
     tokens = args.tokens or (4096 if args.gpu else 256)
     _init_process_group(args.gpu)
-    rows = [measure(n, args.gpu, precision, args.zero_stage, tokens, args.tied) for n in (args.layers or [None])]
-    if args.layers and len(args.layers) >= 2:
-        rows.append(extrapolate(rows, args.target_layers))
+    rows = []
+    for n in args.layers or [None]:
+        try:
+            rows.append(measure(n, args.gpu, precision, args.zero_stage, tokens, args.tied, args.universal_dir))
+        except Exception as e:  # noqa: BLE001 - one depth that cannot run (memory, disk) must not lose the others
+            rows.append({"layers": n, "error": f"{type(e).__name__}: {e}"})
+    measured = [r for r in rows if "error" not in r]
+    if len(measured) >= 2:
+        rows.append(extrapolate(measured, args.target_layers))
     from benchmarks.throughput import print_json_lines
 
     print_json_lines(rows, args.out)
-    return 0
+    return 1 if any("error" in r for r in rows) else 0
 
 
 if __name__ == "__main__":

@@ -39,6 +39,8 @@ def main(argv=None) -> int:
     p.add_argument("--model-dir", default=None,
                    help="model folder to load (written there first if missing; e.g. /dev/shm/hymt-7b on GPU "
                         "machines); default: one under --out")
+    p.add_argument("--profile", action="store_true",
+                   help="one more step per case under torch.profiler: GPU time by kernel kind in the result")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.check_mask:
@@ -47,7 +49,7 @@ def main(argv=None) -> int:
     cases = args.case or ["tutorial-zero3", "z2-flex-liger-compile-8k-a8", "z2-flex-liger-compile-8k-a8@torchrun"]
     results = run_benchmark(cases, shape=args.shape, layers=args.layers, tied=not args.untied, steps=args.steps,
                             warmup=args.warmup, workers=args.workers, use_gpu=not args.cpu, out_dir=args.out,
-                            extra=args.extra, model_dir=args.model_dir)
+                            extra=args.extra, model_dir=args.model_dir, profile=args.profile)
     print(markdown_table(results))
     return 1 if any("error" in r for r in results) else 0
 

@@ -98,6 +98,12 @@ class Generator:
 #: Decoding steps between two checks on GPU whether every row has ended (each check waits for the GPU; on
 #: CPU, where nothing runs ahead, every step checks).
 STOP_CHECK_EVERY = 8
+#: Whether the GPU decoding step is compiled (``torch.compile``, which fuses its chains of small kernels)
+#: before it is captured. Off: on one H200 at 8 B with adapters it made the step 11.6 ms instead of 19.7,
+#: but the first capture took 67–81 s, every new batch shape compiles again, and its fused kernels round
+#: differently, so translations are no longer ``generate``'s (21 of 64 rows agreed up to the first near
+#: tie; README "One H200"). ``jobs/bench_generation.py`` measures it.
+COMPILE_STEP = False
 #: A static cache's length is rounded up to this, so that nearby prompt lengths share one graph.
 CACHE_ROUND = 128
 #: The attribute of a model under which its decoder (graph, cache) is kept across batches and calls.
@@ -199,15 +205,24 @@ class StaticGreedy:
         self.slot.add_(1)
 
     def _capture(self):
+        step = self._step
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up off the default stream, as graph capture requires
+            if COMPILE_STEP:
+                try:  # the warm-up compiles it
+                    step = torch.compile(self._step, dynamic=False)
+                    step()
+                except Exception as e:  # noqa: BLE001 - the eager step is as exact, only slower
+                    log.warning("the decoding step is captured uncompiled: torch.compile failed (%s: %s)",
+                                type(e).__name__, e)
+                    step = self._step
             for _ in range(2):
-                self._step()
+                step()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            self._step()
+            step()
         return graph
 
     def run(self, enc, max_new_tokens: int) -> torch.Tensor:

@@ -155,3 +155,48 @@ def use_fused_loss(model):
 
     model.forward = types.MethodType(forward, model)
     return model
+
+
+#: The frozen output projection's weight is stored in a multiple of this many rows (see :func:`align_frozen_head`).
+HEAD_ROW_MULTIPLE = 64
+
+
+def align_frozen_head(model) -> bool:
+    """Store a frozen output projection's weight in a multiple of :data:`HEAD_ROW_MULTIPLE` rows (the extra
+    rows zero) and multiply with all of them, keeping the vocabulary's columns of the result; returns
+    whether it did. The parameter itself keeps its shape and values (checkpoints, export and the state
+    dict see no change), and the logits are the same dot products.
+
+    Why: Hunyuan's vocabulary has 128,167 entries, an odd row count, so the logits (and their gradient)
+    have an odd leading dimension and cuBLAS falls back to unaligned pre-Hopper kernels for the head's
+    matmuls: on one H200 they took 310 ms of a 1.29 s LoRA step, at 111 TFLOP/s
+    (``jobs/benchmark.py --profile``, README "One H200"). A trained head (full fine-tuning) lives in
+    DeepSpeed's flat buffers and is left alone, as is a ZeRO-3 partitioned one."""
+    head = model.get_output_embeddings()
+    weight = getattr(head, "weight", None)
+    if (weight is None or weight.requires_grad or getattr(head, "bias", None) is not None or weight.dim() != 2
+            or hasattr(weight, "ds_id") or weight.shape[0] % HEAD_ROW_MULTIPLE == 0):
+        return False
+    rows = -(-weight.shape[0] // HEAD_ROW_MULTIPLE) * HEAD_ROW_MULTIPLE
+    padded = torch.zeros((rows, weight.shape[1]), dtype=weight.dtype, device=weight.device)
+    padded[: weight.shape[0]].copy_(weight.detach())
+    weight.data = padded[: weight.shape[0]]  # tied input embeddings share the parameter, and so this storage
+    head.forward = _AlignedForward(head, rows)
+    return True
+
+
+class _AlignedForward:
+    """The forward of a head aligned by :func:`align_frozen_head` (a plain ``linear`` again whenever the
+    weight no longer sits in its padded storage, e.g. after a copy to another device)."""
+
+    def __init__(self, head, rows: int):
+        self.head, self.rows = head, rows
+
+    def __call__(self, hidden):
+        weight = self.head.weight
+        cols = weight.shape[0]
+        if weight.untyped_storage().nbytes() < self.rows * weight.shape[1] * weight.element_size() or \
+                weight.storage_offset() or not weight.is_contiguous():
+            return torch.nn.functional.linear(hidden, weight)
+        full = weight.as_strided((self.rows, weight.shape[1]), weight.stride())
+        return torch.nn.functional.linear(hidden, full)[..., :cols]

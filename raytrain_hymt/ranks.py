@@ -10,8 +10,6 @@ gradients.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 
@@ -46,8 +44,20 @@ def all_reduce_sum(values: list[float], device) -> list[float]:
     return t.tolist()
 
 
-def nonfinite_ranks(value: float, rank: int, world: int, device) -> list[int]:
-    """Ranks whose ``value`` is NaN or infinite (one all-reduce, so every rank gets the same answer)."""
-    flags = [0.0] * world
-    flags[rank] = 0.0 if math.isfinite(value) else 1.0
-    return [r for r, f in enumerate(all_reduce_sum(flags, device)) if f]
+def step_loss(losses: list, rank: int, world: int, device) -> tuple[float, list[int]]:
+    """The step's summed token loss over every rank and micro-step, and the ranks whose loss was NaN or
+    infinite, from the micro-steps' loss tensors (still on the device): one all-reduce and one host sync
+    per optimizer step, instead of a ``float(loss)`` and an all-reduce per micro-step."""
+    import torch
+    import torch.distributed as dist
+
+    total = losses[0].double()
+    for loss in losses[1:]:  # in micro-step order, as a host-side sum would add them
+        total = total + loss.double()
+    values = torch.zeros(1 + world, dtype=torch.float64, device=device)
+    values[0] = total
+    values[1 + rank] = (~torch.isfinite(torch.stack(losses))).any().double()
+    if dist.is_initialized():
+        dist.all_reduce(values)
+    values = values.tolist()
+    return values[0], [r for r in range(world) if values[1 + r]]

@@ -16,7 +16,7 @@ import torch
 
 from raytrain_hymt.config import Config
 from raytrain_hymt.errors import NonFiniteError
-from raytrain_hymt.ranks import all_reduce_sum, nonfinite_ranks, rank_slice, steps_per_epoch
+from raytrain_hymt.ranks import all_reduce_sum, rank_slice, step_loss, steps_per_epoch
 
 log = logging.getLogger("raytrain_hymt")
 
@@ -101,7 +101,7 @@ class Worker:
         from raytrain_hymt.checkpoint import base_identity
         from raytrain_hymt.engine import initialize_engine
         from raytrain_hymt.metrics import matmul_params, peak_flops
-        from raytrain_hymt.model import load_model, use_fused_loss
+        from raytrain_hymt.model import align_frozen_head, load_model, use_fused_loss
         from raytrain_hymt.tokenizer import load_tokenizer
 
         cfg = self.cfg
@@ -119,6 +119,8 @@ class Worker:
         self.engine, self.ds_config = initialize_engine(
             model, cfg, self.world, self.total_steps, on_gpu=self.device.type == "cuda"
         )
+        if not cfg.model.fused_loss:  # after initialize, which may have moved the weights
+            align_frozen_head(self.engine.module)
         # from_pretrained returns a model in eval mode, where transformers skips activation checkpointing
         # and dropout: every model source trains in train mode from the first step.
         self.engine.train()
@@ -223,29 +225,28 @@ class Worker:
         global_targets, global_tokens, flops = all_reduce_sum([local_targets, local_tokens, local_flops], self.device)
         scale = self.world / max(global_targets, 1.0)
         lr = self.engine.get_lr()[0]  # the rate this step applies (the scheduler moves on inside step())
-        loss_total = 0.0
-        bad_ranks: list[int] = []
-        for m in micro:
+        losses = []
+        for a, m in enumerate(micro):
             loss_sum = _forward_loss(self.engine, m, self.cfg.model.fused_loss)
-            loss_value = float(loss_sum.detach())
-            # Checked on every rank alike before backward: a fail stops here, a skip lets the NaN reach the
-            # gradients, whose non-finite norm makes the optimizer discard the update (checked below).
-            bad_ranks = bad_ranks or nonfinite_ranks(loss_value, self.rank, self.world, self.device)
-            if bad_ranks and self.cfg.checkpoint.on_nonfinite == "fail":
-                raise NonFiniteError(f"non-finite training loss at step {self.engine.global_steps + 1} on rank(s) "
-                                     f"{bad_ranks} (checkpoint.on_nonfinite=fail; 'skip' drops such steps)")
             # DeepSpeed averages over ranks; scaling by world / global targets makes the result the mean
             # over every target token of the global step. scale_wrt_gas=False: no extra 1/accum.
             self.engine.backward(loss_sum * scale, scale_wrt_gas=False)
+            losses.append(loss_sum.detach())
+            if a == len(micro) - 1:
+                # The step's one host sync, before the last engine.step() applies the update: a fail stops
+                # with the weights untouched; a skip lets the NaN reach the gradients, whose non-finite norm
+                # makes the optimizer discard the update (checked below).
+                loss_global, bad_ranks = step_loss(losses, self.rank, self.world, self.device)
+                if bad_ranks and self.cfg.checkpoint.on_nonfinite == "fail":
+                    raise NonFiniteError(f"non-finite training loss at step {self.engine.global_steps + 1} on "
+                                         f"rank(s) {bad_ranks} (checkpoint.on_nonfinite=fail; 'skip' drops such steps)")
             self.engine.step()
-            loss_total += loss_value
         skipped = not self.engine.was_step_applied()
         if bad_ranks and not skipped:
             raise NonFiniteError("DeepSpeed applied an update from a non-finite loss; the weights are no longer valid")
         if skipped and self.cfg.checkpoint.on_nonfinite == "fail" and self.cfg.deepspeed.precision != "fp16":
             raise NonFiniteError(f"non-finite gradient norm at step {self.engine.global_steps}: the update was "
                                  "discarded (checkpoint.on_nonfinite=fail; 'skip' drops such steps)")
-        (loss_global,) = all_reduce_sum([loss_total], self.device)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - t0
