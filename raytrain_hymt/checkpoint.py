@@ -231,6 +231,17 @@ def older_checkpoints(fs, path: str) -> list[str]:
     return [p for _, p in sorted(found, reverse=True)]
 
 
+def saved_files(folder: str, world: int) -> list[str]:
+    """The files (relative paths) that ranks 0..``world``-1 listed in their markers of the checkpoint in
+    local ``folder``: exactly this checkpoint's. An attempt with more workers that was cut off while saving
+    the same step may have left its extra ranks' shards in the folder; a same-count load never opens them,
+    the universal conversion would take them as partitions (it counts the ZeRO files it finds)."""
+    files = []
+    for rank in range(world):
+        files += json.loads(Path(folder, MARKER_DIR, f"rank{rank}").read_text())["files"]
+    return files
+
+
 def restore_rank(engine, folder: str, rank: int, world: int | None = None, local_rank: int = 0, device=None,
                  where: str | None = None) -> RunState:
     """Load this rank's DeepSpeed shard, scheduler and RNG states from a merged checkpoint folder.
@@ -247,7 +258,8 @@ def restore_rank(engine, folder: str, rank: int, world: int | None = None, local
     if world is not None and world != state.world_size and state.zero_stage > 0:
         from raytrain_hymt.reshard import load_resharded
 
-        load_path = load_resharded(engine, folder, state.tag, where or folder, local_rank, device, strict)
+        load_path = load_resharded(engine, folder, state.tag, where or folder, local_rank, device, strict,
+                                   files=saved_files(folder, state.world_size))
     else:
         load_path, _ = engine.load_checkpoint(folder, tag=state.tag, load_lr_scheduler_states=True,
                                               load_module_strict=strict)

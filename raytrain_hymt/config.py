@@ -8,6 +8,7 @@ the field, before Ray or a GPU is touched.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from importlib import resources
 from importlib.resources.abc import Traversable
@@ -67,10 +68,34 @@ class Config(_Section):
                 f"data.pack_tokens ({self.data.pack_tokens}) must be >= data.max_example_tokens "
                 f"({self.data.max_example_tokens}) so every example fits in a packed row"
             )
-        # The worker count the run starts on must divide the global batch (an elastic run checks each
-        # count it gets, in Worker.__init__). ConfigError is a ValueError: pydantic reports it as one.
+        # The worker count the run starts on must divide the global batch (Worker.__init__ checks again
+        # the count each attempt gets). ConfigError is a ValueError: pydantic reports it as one.
         self.optim.accumulation(self.scaling.num_workers)
+        if self.scaling.min_workers is not None:
+            self._check_elastic()
         return self
+
+    def _check_elastic(self) -> None:
+        """An elastic run may restart on any count from min to max workers: each must keep the global batch."""
+        s, opt = self.scaling, self.optim
+        if opt.global_batch_rows is None:
+            raise ValueError(
+                "scaling.min_workers (elastic training) needs optim.global_batch_rows: without it the global batch "
+                "is workers × optim.grad_accum × optim.micro_batch_size and changes whenever the worker count does")
+        bad = [n for n in s.worker_counts if opt.global_batch_rows % (n * opt.micro_batch_size)]
+        if bad:
+            allowed = [n for n in range(1, s.num_workers + 1) if opt.global_batch_rows % (n * opt.micro_batch_size) == 0]
+            raise ValueError(
+                f"optim.global_batch_rows ({opt.global_batch_rows}) does not split into whole micro-batches "
+                f"(optim.micro_batch_size {opt.micro_batch_size}) on {_counts(bad)} worker(s), and an elastic run may "
+                f"restart on any count from scaling.min_workers to scaling.num_workers ({s.min_workers}..{s.num_workers}). "
+                f"Counts up to {s.num_workers} that divide it: {_counts(allowed) or 'none'}; choose min_workers and "
+                f"num_workers so that every count between them does, or a global batch that is a multiple of "
+                f"{math.lcm(*s.worker_counts) * opt.micro_batch_size}")
+
+
+def _counts(counts: list[int]) -> str:
+    return ", ".join(str(n) for n in counts)
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:

@@ -24,7 +24,19 @@ class ScalingConfig(_Section):
     """Workers and their resources."""
 
     num_workers: int = Field(2, ge=1)
-    """Training workers (one per GPU)."""
+    """Training workers (one per GPU); with ``min_workers``, the most workers an elastic run uses."""
+    min_workers: int | None = Field(None, ge=1)
+    """Elastic training: the fewest workers the run goes on with (Ray Train's
+    ``ScalingConfig(num_workers=(min_workers, num_workers))``). The run starts on as many workers as the
+    cluster holds, up to ``num_workers``; a lost node restarts it from the latest checkpoint on the
+    workers left (charged to ``checkpoint.max_failures``), a node that comes back restarts it on more
+    workers after ``elastic_resize_monitor_interval_s``. Needs ``optim.global_batch_rows`` divisible by
+    every worker count from ``min_workers`` to ``num_workers`` (× ``optim.micro_batch_size``), so each
+    restart keeps the trajectory, and whole ``cpus_per_worker``. None: always ``num_workers`` workers."""
+    elastic_resize_monitor_interval_s: float = Field(60.0, ge=0)
+    """Elastic training: while the workers run, how often, in seconds, Ray Train looks for room for more
+    workers (a node that came back or joined); finding it restarts the run from its latest checkpoint on
+    the larger count. Ignored without ``min_workers``."""
     use_gpu: bool = False
     """One GPU per worker; off: CPU workers with gloo (tests, demos)."""
     cpus_per_worker: float = Field(1.0, gt=0)
@@ -37,6 +49,25 @@ class ScalingConfig(_Section):
     S3-compatible ``AWS_ENDPOINT_URL``): set on the driver, and passed to every training worker and
     evaluation replica through its Ray runtime environment. Values of secret-looking names are redacted
     from MLflow. Numbers are written as text (``NCCL_IB_DISABLE: 1`` is ``"1"``)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> ScalingConfig:
+        if self.min_workers is None:
+            return self
+        if self.min_workers > self.num_workers:
+            raise ValueError(f"scaling.min_workers ({self.min_workers}) must be at most scaling.num_workers "
+                             f"({self.num_workers}), the most workers of an elastic run")
+        if self.cpus_per_worker != int(self.cpus_per_worker):
+            # Ray's elastic policy counts the workers a node fits with whole-number division of its
+            # resources: fractional CPUs make it decide on counts it then cannot place.
+            raise ValueError(f"scaling.cpus_per_worker must be a whole number in an elastic run (scaling.min_workers "
+                             f"set), got {self.cpus_per_worker:g}: Ray Train's elastic policy miscounts fractional CPUs")
+        return self
+
+    @property
+    def worker_counts(self) -> range:
+        """Every worker count a run may train on: ``num_workers`` alone, or ``min_workers`` to ``num_workers``."""
+        return range(self.min_workers or self.num_workers, self.num_workers + 1)
 
     @field_validator("env", mode="before")
     @classmethod

@@ -3,15 +3,17 @@
 Both are switched on by environment variables that the driver forwards to the workers, so no config field
 and no code path of a normal run changes:
 
-``HYMT_FAULTS``: a JSON list of faults, each ``{"kind": "sigkill" | "raise" | "nan", "rank": R,
-"step": K, "once": "/path/marker"}``. ``sigkill`` and ``raise`` fire when rank R is about to train step K
-(the process kills itself with SIGKILL, or raises ``InjectedFault``); ``nan`` makes rank R's loss NaN in
+``HYMT_FAULTS``: a JSON list of faults, each ``{"kind": "sigkill" | "raise" | "stall" | "nan", "rank": R,
+"step": K, "once": "/path/marker"}``. ``sigkill``, ``raise`` and ``stall`` fire when rank R is about to
+train step K (the process kills itself with SIGKILL, raises ``InjectedFault``, or sleeps the fault's
+``"seconds"``: a run held there while a test changes the cluster); ``nan`` makes rank R's loss NaN in
 step K. With ``once``, a fault fires only if the marker file does not exist yet and creates it first, so
 the restarted attempt runs through.
 
 ``HYMT_RECORD_DIR``: each rank appends one JSON line per step to ``<dir>/rank<R>.jsonl``: the step, the
 example ids of its rows, the loss, whether the update was skipped, the sum of the model's weights, the
-Ray node it ran on and the wall-clock time, how many decoder-layer forwards the step ran and whether
+Ray node it ran on, the attempt's worker count and the wall-clock time, how many decoder-layer forwards the
+step ran and whether
 every module was in training mode during them (``watch_layers``: two forwards per layer and micro-step
 show that activation checkpointing really recomputes), and the rows, blocks and bytes of training data
 the rank fetched so far (``data.blocks.RowFetcher``).
@@ -39,7 +41,8 @@ class InjectedFault(RuntimeError):
     """The exception a ``raise`` fault throws."""
 
 
-def _due(kind: str, step: int, rank: int) -> bool:
+def _due(kind: str, step: int, rank: int) -> dict | None:
+    """The fault of ``kind`` due for ``rank`` at ``step`` (its marker created when it has ``once``), or None."""
     for fault in json.loads(os.environ.get(FAULTS_ENV) or "[]"):
         if fault["kind"] != kind or fault["step"] != step or fault["rank"] != rank:
             continue
@@ -50,8 +53,8 @@ def _due(kind: str, step: int, rank: int) -> bool:
                 os.close(os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
             except FileExistsError:
                 continue
-        return True
-    return False
+        return fault
+    return None
 
 
 def before_step(step: int, rank: int) -> None:
@@ -62,6 +65,9 @@ def before_step(step: int, rank: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if _due("raise", step, rank):
         raise InjectedFault(f"injected failure on rank {rank} at step {step}")
+    stall = _due("stall", step, rank)
+    if stall:
+        time.sleep(stall["seconds"])
 
 
 @contextlib.contextmanager
@@ -125,11 +131,12 @@ def record_step(rank: int, step: int, example_ids: Callable[[], list[int]], loss
 
     with torch.no_grad():
         weight_sum = float(sum(p.detach().double().sum() for p in module.parameters()))
-    import ray
+    import ray.train
 
     line = {"step": step, "example_ids": sorted(int(e) for e in example_ids()), "loss": loss,
             "skipped": skipped, "weight_sum": weight_sum, "node": ray.get_runtime_context().get_node_id(),
-            "pid": os.getpid(), "time": time.time(), **(layers or {}), **(fetched or {})}
+            "world": ray.train.get_context().get_world_size(), "pid": os.getpid(), "time": time.time(),
+            **(layers or {}), **(fetched or {})}
     Path(folder).mkdir(parents=True, exist_ok=True)
     # One open/write/close per line: a SIGKILL right after loses nothing already recorded.
     with open(Path(folder, f"rank{rank}.jsonl"), "a") as f:

@@ -51,12 +51,23 @@ def convert_to_universal(folder: str, tag: str, out: Path, workers: int | None =
     return time.perf_counter() - started
 
 
+def linked_view(folder: str, files: list[str], view: Path) -> Path:
+    """A fresh folder ``view`` of symbolic links to ``files`` (paths relative to ``folder``), nothing else."""
+    shutil.rmtree(view, ignore_errors=True)
+    for name in files:
+        link = view / name
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(Path(folder, name).resolve())
+    return view
+
+
 def load_resharded(engine, folder: str, tag: str, checkpoint: str, local_rank: int, device,
-                   load_module_strict: bool = True):
+                   load_module_strict: bool, files: list[str]):
     """Load checkpoint ``folder`` (saved at another worker count) into ``engine`` through its universal form.
 
     Local rank 0 of each node converts, the others wait (an all-reduce that also tells every rank whether
-    any conversion failed); then every rank loads its new partition. Returns DeepSpeed's load path.
+    any conversion failed); then every rank loads its new partition. ``files``: the checkpoint's own files
+    (``checkpoint.saved_files``), the only ones converted. Returns DeepSpeed's load path.
     """
     from raytrain_hymt.ranks import all_reduce_sum
 
@@ -64,7 +75,8 @@ def load_resharded(engine, folder: str, tag: str, checkpoint: str, local_rank: i
     failed = None
     if local_rank == 0:
         try:
-            seconds = convert_to_universal(folder, tag, out)
+            source = linked_view(folder, files, out.with_name(out.name + "-in"))
+            seconds = convert_to_universal(str(source), tag, out)
             log.info("converted %s to a universal checkpoint for the new worker count in %.1f s", checkpoint, seconds)
         except Exception as e:  # noqa: BLE001 - shared with every rank below, then raised
             failed = e
@@ -85,4 +97,5 @@ def load_resharded(engine, folder: str, tag: str, checkpoint: str, local_rank: i
         all_reduce_sum([0.0], device)
         if local_rank == 0:
             shutil.rmtree(out, ignore_errors=True)
+            shutil.rmtree(out.with_name(out.name + "-in"), ignore_errors=True)
     return load_path

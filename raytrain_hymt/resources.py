@@ -24,6 +24,14 @@ def worker_resources(cfg: Config) -> dict[str, float]:
     return need
 
 
+def fewest_workers(cfg: Config) -> tuple[int, str]:
+    """The fewest workers the run can start on, and the field that sets them: an elastic run starts on as
+    many workers as fit, as long as that is at least ``scaling.min_workers``."""
+    if cfg.scaling.min_workers is None:
+        return cfg.scaling.num_workers, "scaling.num_workers"
+    return cfg.scaling.min_workers, "scaling.min_workers"
+
+
 def _amount(value: float, name: str) -> str:
     return f"{value:g} {name}{'' if value == 1 or name not in ('CPU', 'GPU') else 's'}"
 
@@ -34,13 +42,14 @@ def _fits(have: dict, need: dict) -> bool:
 
 
 def resource_shortfall(need_per_worker: dict, workers: int, total: dict, per_node: list[dict],
-                       *, local: bool = True) -> str | None:
+                       *, local: bool = True, workers_field: str = "scaling.num_workers") -> str | None:
     """What the Ray cluster lacks to start ``workers`` training workers, as a message; None if nothing.
 
     ``need_per_worker``: :func:`worker_resources`; ``total``: ``ray.cluster_resources()``; ``per_node``:
     the ``Resources`` of each alive node in ``ray.nodes()``. ``local``: Ray was started by this job on
     this machine, so the message names the fix; otherwise (a cluster, whose autoscaler may add nodes) it
-    says the job will wait.
+    says the job will wait. ``workers_field``: the config field ``workers`` comes from (an elastic run
+    needs only ``scaling.min_workers``).
     """
     need = {name: amount for name, amount in need_per_worker.items() if amount > 0}
     where = "this machine has" if local else "the cluster now has"
@@ -50,16 +59,16 @@ def resource_shortfall(need_per_worker: dict, workers: int, total: dict, per_nod
         if _fits(total, {name: want}):
             continue
         if name == "GPU":
-            what = f"scaling.use_gpu=true needs {_amount(want, name)} (scaling.num_workers={workers})"
+            what = f"scaling.use_gpu=true needs {_amount(want, name)} ({workers_field}={workers})"
             fix = ("use --set scaling.use_gpu=false, a preset for CPU such as tiny-cpu, "
                    "or run on a GPU machine / cluster (RAY_ADDRESS)")
         elif name == "CPU":
-            what = (f"scaling.num_workers={workers} x scaling.cpus_per_worker={amount:g} needs "
+            what = (f"{workers_field}={workers} x scaling.cpus_per_worker={amount:g} needs "
                     f"{_amount(want, name)}")
-            fix = "lower scaling.num_workers or scaling.cpus_per_worker, or raise scaling.local_num_cpus"
+            fix = f"lower {workers_field} or scaling.cpus_per_worker, or raise scaling.local_num_cpus"
         else:
             what = f"{workers} workers need {_amount(want, name)}"
-            fix = "lower scaling.num_workers"
+            fix = f"lower {workers_field}"
         problems.append(f"{what}, {where} {_amount(have, name)}" + (f": {fix}" if local else ""))
     if not problems and not any(_fits(node, need) for node in per_node):
         # Ray places a worker on one node: enough in total is not enough when every node is too small.
@@ -85,8 +94,9 @@ def check_cluster_resources(cfg: Config, started_locally: bool) -> None:
     import ray
 
     per_node = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
-    message = resource_shortfall(worker_resources(cfg), cfg.scaling.num_workers, ray.cluster_resources(),
-                                 per_node, local=started_locally)
+    fewest, field = fewest_workers(cfg)
+    message = resource_shortfall(worker_resources(cfg), fewest, ray.cluster_resources(), per_node,
+                                 local=started_locally, workers_field=field)
     if message is None:
         return
     if started_locally:

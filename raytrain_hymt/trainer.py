@@ -213,8 +213,9 @@ def build_trainer(cfg: Config, train, val, loop_inputs: dict, callbacks=(), loop
         # The blocks' object refs travel inside the config (Ray Train puts it in the object store whole).
         train_loop_config={**loop_inputs, "train_blocks": train_blocks(cfg, train)},
         scaling_config=ray.train.ScalingConfig(
-            num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
+            num_workers=_ray_num_workers(cfg), use_gpu=cfg.scaling.use_gpu,
             resources_per_worker={"CPU": cfg.scaling.cpus_per_worker},
+            elastic_resize_monitor_interval_s=cfg.scaling.elastic_resize_monitor_interval_s,
         ),
         # train_loop fetches each rank's training rows itself (train_blocks); the benchmark's loop reads
         # the "train" shard. Every worker reads the whole validation stream and takes its slice.
@@ -229,6 +230,12 @@ def build_trainer(cfg: Config, train, val, loop_inputs: dict, callbacks=(), loop
             callbacks=list(callbacks),
         ),
     )
+
+
+def _ray_num_workers(cfg: Config) -> int | tuple[int, int]:
+    """Ray Train's ``num_workers``: a count, or ``(min, max)`` for an elastic run (``scaling.min_workers``)."""
+    s = cfg.scaling
+    return s.num_workers if s.min_workers is None else (s.min_workers, s.num_workers)
 
 
 def preflight(cfg: Config) -> None:

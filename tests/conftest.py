@@ -41,6 +41,45 @@ def ray_session():
     ray.shutdown()
 
 
+#: The session's loopback clusters (``two_node_cluster``), stopped after the last test that uses one.
+_CLUSTERS: list = []
+_LAST_CLUSTER_USER: list[str] = []
+
+
+@pytest.fixture(scope="session")
+def _two_node_session():
+    from ray_cluster import LoopbackCluster
+
+    cluster = LoopbackCluster(num_cpus=5, worker_nodes=(3,))
+    _CLUSTERS.append(cluster)
+    yield cluster
+    cluster.close()
+
+
+@pytest.fixture
+def two_node_cluster(_two_node_session):
+    """One ``ray start`` cluster on loopback for the session (a cluster costs ~20 s to start and stop): a
+    head of 5 logical CPUs and a second node of 3, so two workers of 3 CPUs each land on different nodes.
+    Shared by the job-submission tests (``ray job submit``) and the node-loss and elastic tests, which
+    connect a driver process to it; a test that kills the second node gets it back after it ends."""
+    yield _two_node_session
+    _two_node_session.restore()
+
+
+def pytest_collection_modifyitems(config, items):
+    users = [item.nodeid for item in items if "two_node_cluster" in getattr(item, "fixturenames", ())]
+    _LAST_CLUSTER_USER[:] = users[-1:]
+
+
+@pytest.hookimpl(trylast=True)  # after the item's own fixtures are torn down (two_node_cluster's restore)
+def pytest_runtest_teardown(item, nextitem):
+    # The tests after the cluster's last user need its CPU and memory (an idle cluster's raylets and
+    # dashboard still run): stop it there, not at the end of the session.
+    if _LAST_CLUSTER_USER and item.nodeid == _LAST_CLUSTER_USER[0]:
+        for cluster in _CLUSTERS:
+            cluster.close()
+
+
 def tiny_overrides(storage: Path, **extra: object) -> list[str]:
     """``--set`` overrides for a short tiny-cpu run stored under ``storage``."""
     values = {

@@ -1,5 +1,5 @@
-"""Start a real `ray start --head` cluster on loopback for a test (optionally with more nodes), and stop
-exactly that cluster.
+"""Start a real `ray start --head` cluster on loopback (optionally with more nodes), kill and bring back
+its other nodes, and stop exactly that cluster.
 
 `ray stop` would kill every Ray on the machine (including the test session's own), so each node runs with
 `--block` in its own process group, temp dir and ports: every process it starts stays in that group, and
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -19,6 +20,7 @@ from pathlib import Path
 from mlflow_server import _stop_group, free_port
 
 BIN = Path(sys.executable).parent
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _wait_for(url: str, timeout_s: float) -> None:
@@ -53,29 +55,74 @@ def _start_node(args: list[str], env: dict) -> subprocess.Popen:
         )
 
 
-@contextlib.contextmanager
-def ray_head(num_cpus: int = 6, worker_nodes: tuple[int, ...] = ()):
-    """Yield ``(dashboard_url, env)`` of a fresh head node; ``env`` lets the Ray CLI talk to it.
+class LoopbackCluster:
+    """A ``ray start`` head on loopback plus more nodes, each a process group of this test process; the
+    nodes after the head can be killed (a lost machine) and brought back (``restore``).
 
-    ``worker_nodes``: one more node per entry, joined to the head, with that many logical CPUs.
+    ``url``: the dashboard (jobs, state API); ``address``: the GCS, for ``ray.init(address=...)`` in a
+    driver process; ``env``: lets the Ray CLI and such a driver talk to the cluster (token auth).
     """
-    ports = {name: free_port() for name in ("port", "dashboard-port", "ray-client-server-port")}
-    # The job's `python` is the first one on the PATH of the `ray start` process (FACTS.md).
-    env = dict(os.environ, PATH=f"{BIN}:{os.environ.get('PATH', '')}", RAY_AUTH_MODE="token")
-    env.pop("RAY_ADDRESS", None)
-    nodes = [_start_node(["--head", "--dashboard-host=127.0.0.1", f"--num-cpus={num_cpus}",
-                          *(f"--{k}={v}" for k, v in ports.items())], env)]
-    url = f"http://127.0.0.1:{ports['dashboard-port']}"
-    try:
-        _wait_for(f"{url}/api/version", 90)
-        for cpus in worker_nodes:
-            nodes.append(_start_node([f"--address=127.0.0.1:{ports['port']}", f"--num-cpus={cpus}"], env))
-        if worker_nodes:
-            _wait_for_nodes(env, url, 1 + len(worker_nodes), 90)
-        yield url, env
-    finally:
-        for proc in reversed(nodes):
-            _stop_group(proc, grace_s=20)  # SIGTERM: each `ray start --block` drains its node; then SIGKILL
+
+    def __init__(self, num_cpus: int = 6, worker_nodes: tuple[int, ...] = ()):
+        """``worker_nodes``: one more node per entry, joined to the head, with that many logical CPUs."""
+        ports = {name: free_port() for name in ("port", "dashboard-port", "ray-client-server-port")}
+        # The job's `python` is the first one on the PATH of the `ray start` process (FACTS.md).
+        # PYTHONPATH: the workers of a driver that connects to the cluster (tests/two_node_run.py) import
+        # this checkout's package, as the workers of a job submitted with --working-dir do.
+        self.env = dict(os.environ, PATH=f"{BIN}:{os.environ.get('PATH', '')}", RAY_AUTH_MODE="token",
+                        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+        self.env.pop("RAY_ADDRESS", None)
+        self.address = f"127.0.0.1:{ports['port']}"
+        self.url = f"http://127.0.0.1:{ports['dashboard-port']}"
+        self.worker_cpus = worker_nodes
+        self.head = _start_node(["--head", "--dashboard-host=127.0.0.1", f"--num-cpus={num_cpus}",
+                                 *(f"--{k}={v}" for k, v in ports.items())], self.env)
+        self.workers: list[subprocess.Popen | None] = [None] * len(worker_nodes)
+        #: Each node's id after the head (its latest start).
+        self.node_id: list[str | None] = [None] * len(worker_nodes)
+        try:
+            _wait_for(f"{self.url}/api/version", 90)
+            self.head_node_id = _wait_for_new_node(self.env, self.url, set(), 90)
+            self.restore()
+        except BaseException:
+            self.close()
+            raise
+
+    def node_ids(self) -> set[str]:
+        """The ids of the cluster's alive nodes."""
+        return alive_node_ids(self.env, self.url)
+
+    def kill_node(self, index: int = 0) -> None:
+        """SIGKILL worker node ``index`` (its raylet, object store and workers) at once, as a machine that
+        is switched off: no drain, the GCS finds the node dead on its own."""
+        proc = self.workers[index]
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        self.workers[index] = None
+
+    def restore(self, timeout_s: float = 120) -> None:
+        """Start every worker node that is not running (again, with its logical CPUs), one at a time, and
+        wait until each is alive: the next user finds the cluster whole."""
+        if self.head.poll() is not None:  # closed: nothing to bring back
+            return
+        for index, cpus in enumerate(self.worker_cpus):
+            if self.workers[index] is not None:
+                continue
+            before = self.node_ids()
+            self.workers[index] = _start_node([f"--address={self.address}", f"--num-cpus={cpus}"], self.env)
+            self.node_id[index] = _wait_for_new_node(self.env, self.url, before, timeout_s)
+
+    @property
+    def worker_node_ids(self) -> set[str]:
+        """The node ids of the nodes after the head that run now."""
+        return {self.node_id[i] for i, proc in enumerate(self.workers) if proc is not None}
+
+    def close(self) -> None:
+        """Stop every node (SIGTERM: each `ray start --block` drains its node; then SIGKILL); idempotent."""
+        for proc in [p for p in reversed(self.workers) if p is not None] + [self.head]:
+            _stop_group(proc, grace_s=20)
+        self.workers = [None] * len(self.worker_cpus)
 
 
 def alive_node_ids(env: dict, url: str) -> set[str]:
@@ -89,9 +136,13 @@ def alive_node_ids(env: dict, url: str) -> set[str]:
     return {n["node_id"] for n in json.loads(listed.stdout)}
 
 
-def _wait_for_nodes(env: dict, url: str, count: int, timeout_s: float) -> None:
+def _wait_for_new_node(env: dict, url: str, before: set[str], timeout_s: float) -> str:
+    """The id of the one node that is alive now and was not in ``before``, once it is."""
     deadline = time.time() + timeout_s
-    while len(alive_node_ids(env, url)) < count:
+    while True:
+        new = alive_node_ids(env, url) - before
+        if len(new) == 1:
+            return new.pop()
         if time.time() > deadline:
-            raise TimeoutError(f"the cluster at {url} did not reach {count} nodes within {timeout_s} s")
+            raise TimeoutError(f"no new node joined the cluster at {url} within {timeout_s} s (new: {new})")
         time.sleep(1)

@@ -105,3 +105,42 @@ def test_a_global_batch_that_does_not_divide_names_the_fields():
         opt.accumulation(3)  # what a worker group of another size (elastic, resume) is told
     with pytest.raises(ConfigError, match=r"optim.grad_accum \(2\) and optim.global_batch_rows \(8\) are both set"):
         load_config(None, ["optim.global_batch_rows=8", "optim.grad_accum=2"])
+
+
+def test_elastic_scaling_reaches_ray_train_and_every_worker_count_keeps_the_global_batch():
+    from raytrain_hymt.trainer import build_trainer
+
+    elastic = ["scaling.min_workers=1", "scaling.num_workers=2", "optim.global_batch_rows=4",
+               "scaling.elastic_resize_monitor_interval_s=2.5"]
+    cfg = load_config(None, elastic)
+    assert list(cfg.scaling.worker_counts) == [1, 2]
+    assert [cfg.optim.accumulation(n) for n in cfg.scaling.worker_counts] == [2, 1]  # micro-batch 2
+    scaling = build_trainer(cfg, None, None, {}).scaling_config
+    assert (scaling.num_workers, scaling.elasticity_enabled, scaling.elastic_resize_monitor_interval_s,
+            scaling.resources_per_worker) == ((1, 2), True, 2.5, {"CPU": 1.0})
+    fixed = build_trainer(load_config(), None, None, {}).scaling_config
+    assert (fixed.num_workers, fixed.elasticity_enabled, fixed.elastic_resize_monitor_interval_s) == (2, False, 60.0)
+    assert list(load_config().scaling.worker_counts) == [2]
+
+
+@pytest.mark.parametrize("sets,message", [
+    (["scaling.min_workers=1", "scaling.num_workers=4", "optim.global_batch_rows=4", "optim.micro_batch_size=1"],
+     "optim.global_batch_rows (4) does not split into whole micro-batches (optim.micro_batch_size 1) on 3 worker(s), "
+     "and an elastic run may restart on any count from scaling.min_workers to scaling.num_workers (1..4). Counts up "
+     "to 4 that divide it: 1, 2, 4; choose min_workers and num_workers so that every count between them does, or a "
+     "global batch that is a multiple of 12"),
+    (["scaling.min_workers=1"],
+     "scaling.min_workers (elastic training) needs optim.global_batch_rows: without it the global batch is workers × "
+     "optim.grad_accum × optim.micro_batch_size and changes whenever the worker count does"),
+    (["scaling.min_workers=3", "optim.global_batch_rows=12"],
+     "scaling.min_workers (3) must be at most scaling.num_workers (2), the most workers of an elastic run"),
+    (["scaling.min_workers=1", "optim.global_batch_rows=4", "scaling.cpus_per_worker=0.5"],
+     "scaling.cpus_per_worker must be a whole number in an elastic run (scaling.min_workers set), got 0.5"),
+    (["scaling.min_workers=0"], "scaling.min_workers: Input should be greater than or equal to 1"),
+    (["scaling.min_workers=1", "optim.global_batch_rows=4", "scaling.elastic_resize_monitor_interval_s=-1"],
+     "scaling.elastic_resize_monitor_interval_s: Input should be greater than or equal to 0"),
+], ids=["count-does-not-divide", "no-global-batch", "min-over-max", "fractional-cpus", "min-zero", "negative-interval"])
+def test_elastic_scaling_mistakes_name_the_fields(sets, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, sets)
+    assert message in str(e.value)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -24,6 +24,8 @@ from raytrain_hymt.config import load_config
 from raytrain_hymt.trainer import run_training
 
 HERE = Path(__file__).resolve().parent
+#: The two-node run loses its second node once rank 0 has recorded this step.
+KILL_AFTER_STEP = 5
 
 
 def test_older_checkpoints_newest_first_across_generations(tmp_path):
@@ -65,6 +67,30 @@ def test_check_checkpoint_names_what_is_wrong(tmp_path):
         check_checkpoint(fs, str(ckpt))
     (ckpt / "shard.pt").write_bytes(b"x" * 10)
     assert check_checkpoint(fs, str(ckpt)).step == 2
+
+
+def test_a_conversion_sees_only_the_files_the_saving_ranks_listed(tmp_path):
+    """A 2-worker attempt cut off while saving step 6 left rank 1's shard and marker; the 1-worker attempt
+    then saved step 6 into the same folder. The universal conversion must see one partition, not two."""
+    from raytrain_hymt.checkpoint import saved_files
+    from raytrain_hymt.reshard import linked_view
+
+    ckpt = tmp_path / "checkpoint_step00000006"
+    for rank in (0, 1):
+        (ckpt / "step00000006").mkdir(parents=True, exist_ok=True)
+        (ckpt / "step00000006" / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").write_text(f"rank {rank}")
+        (ckpt / "complete").mkdir(exist_ok=True)
+        files = {f"step00000006/zero_pp_rank_{rank}_mp_rank_00_optim_states.pt": 6}
+        if rank == 0:
+            (ckpt / "state.json").write_text("{}")
+            files["state.json"] = 2
+        (ckpt / "complete" / f"rank{rank}").write_text(json.dumps({"files": files}))
+    files = saved_files(str(ckpt), 1)
+    assert files == ["step00000006/zero_pp_rank_0_mp_rank_00_optim_states.pt", "state.json"]
+    view = linked_view(str(ckpt), files, tmp_path / "view")
+    assert sorted(p.relative_to(view).as_posix() for p in view.rglob("*") if p.is_file()) == sorted(files)
+    assert (view / files[0]).read_text() == "rank 0"
+    assert len(saved_files(str(ckpt), 2)) == 3
 
 
 def _faults(monkeypatch, record_dir: Path, *faults: dict) -> None:
@@ -195,19 +221,57 @@ def test_budget_spent_then_resubmit_resumes_from_last_good_checkpoint(reference,
     assert "run crashy already finished" in capfd.readouterr().out
 
 
+def _drive(cluster, tmp_path: Path, name: str, *sets: str, faults: tuple[dict, ...] = (),
+           env: dict | None = None) -> subprocess.Popen:
+    """Start ``tests/two_node_run.py`` training run ``name`` on ``cluster`` (storage a ``file://`` URI under
+    ``tmp_path``, the object-store code path), recording every rank's steps in ``tmp_path/record``."""
+    env = dict(cluster.env, HYMT_RECORD_DIR=str(tmp_path / "record"), HYMT_FAULTS=json.dumps([NAN_FAULT, *faults]),
+               **(env or {}))
+    with open(tmp_path / "driver.log", "w") as log:
+        return subprocess.Popen([sys.executable, str(HERE / "two_node_run.py"), cluster.address,
+                                 f"file://{tmp_path / 'runs'}", name, str(tmp_path / "outcome.json"), *sets],
+                                env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _wait_until(proc: subprocess.Popen, tmp_path: Path, done, what: str, timeout_s: float = 400) -> None:
+    """Poll ``done()`` while the driver runs; fail with its log's end when it ends first or time runs out."""
+    deadline = time.time() + timeout_s
+    while not done():
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            log = (tmp_path / "driver.log").read_text()[-4000:]
+            raise AssertionError(f"the driver {'ended' if proc.returncode is not None else 'ran on'} before {what}:\n{log}")
+        time.sleep(0.2)
+
+
+def _last_step(record: Path, rank: int) -> int:
+    return read_records(record, rank)[-1]["step"] if Path(record, f"rank{rank}.jsonl").exists() else 0
+
+
+def _finish(proc: subprocess.Popen, tmp_path: Path, timeout_s: float = 400) -> dict:
+    """Wait for the driver; its outcome (the summary, or the error)."""
+    proc.wait(timeout=timeout_s)
+    assert proc.returncode == 0, (tmp_path / "driver.log").read_text()[-3000:]
+    return json.loads((tmp_path / "outcome.json").read_text())
+
+
 @pytest.mark.integration
-def test_worker_node_lost_on_two_node_cluster(reference, tmp_path):
-    """Workers on two nodes; the non-head node dies after step 5 and a new one joins: the run resumes
-    from checkpoint 4 and lands on the reference trajectory. Storage is a ``file://`` URI (the object
-    store code path) with asynchronous checkpoint upload."""
-    record = tmp_path / "record"
-    env = dict(os.environ, HYMT_RECORD_DIR=str(record), HYMT_FAULTS=json.dumps([NAN_FAULT]),
-               PYTHONPATH=str(HERE.parent))
+def test_worker_node_lost_on_two_node_cluster(reference, two_node_cluster, tmp_path):
+    """Workers on two nodes (3 CPUs each: the head fits one, the second node the other); the second node
+    dies after step 5 and a new one joins: the run resumes from checkpoint 4 and lands on the reference
+    trajectory. Storage is a ``file://`` URI with asynchronous checkpoint upload."""
+    record, cluster = tmp_path / "record", two_node_cluster
     storage = f"file://{tmp_path / 'runs'}"
-    proc = subprocess.run([sys.executable, str(HERE / "two_node_run.py"), storage, str(tmp_path / "outcome.json")],
-                          env=env, capture_output=True, text=True, timeout=540)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    outcome = json.loads((tmp_path / "outcome.json").read_text())
+    proc = _drive(cluster, tmp_path, "twonode", "checkpoint.async_upload=True", "run.export=True",
+                  "checkpoint.max_failures=2", "scaling.cpus_per_worker=3")
+    _wait_until(proc, tmp_path, lambda: _last_step(record, 0) >= KILL_AFTER_STEP, f"step {KILL_AFTER_STEP}")
+    outcome = {"nodes_before": sorted({r["node"] for rank in (0, 1) for r in read_records(record, rank)}),
+               "worker_node": cluster.node_id[0]}
+    cluster.kill_node()
+    outcome["killed_after_step"] = read_records(record, 0)[-1]["step"]
+    time.sleep(3)
+    cluster.restore()  # the node "returns": the run needs two workers again
+    outcome.update(_finish(proc, tmp_path))
     assert "error" not in outcome, outcome
     assert len(outcome["nodes_before"]) == 2 and outcome["worker_node"] in outcome["nodes_before"]
     killed = outcome["killed_after_step"]
@@ -228,6 +292,81 @@ def test_worker_node_lost_on_two_node_cluster(reference, tmp_path):
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == STEPS
     assert (run_dir / "config.yaml").exists() and (run_dir / "model" / "config.json").exists()
     assert summary["model_dir"] == f"{storage}/twonode/model"
+
+
+#: The elastic run's rank 0 waits before this step, once (the attempt on the workers left), until the
+#: returning node makes Ray resize the worker group.
+STALL_STEP = 10
+
+
+@pytest.mark.integration
+def test_elastic_run_goes_on_with_the_workers_left_and_grows_back(reference, two_node_cluster, tmp_path):
+    """``scaling.min_workers=1, num_workers=2`` with ``optim.global_batch_rows=4`` (the reference's 2 × 2
+    rows): the second node dies once checkpoint 4 is saved, Ray Train restarts the run from its latest
+    checkpoint on the one worker left (accumulation 2; a worker-group error, charged to ``max_failures``),
+    which saves checkpoint 8 and waits before step 10 while the node comes back; after
+    ``elastic_resize_monitor_interval_s`` Ray resizes the group: a restart from checkpoint 8 on two
+    workers. Every step's loss, weights and example ids are the uninterrupted 2-worker reference's (the
+    NaN step 3 is poisoned on rank 1, so it must be trained, and skipped, by the first attempt)."""
+    record, cluster = tmp_path / "record", two_node_cluster
+    stalled = tmp_path / "stalled"
+    proc = _drive(cluster, tmp_path, "elastic", "scaling.min_workers=1", "scaling.num_workers=2",
+                  "optim.global_batch_rows=4", "scaling.cpus_per_worker=3", "checkpoint.max_failures=1",
+                  "scaling.elastic_resize_monitor_interval_s=1",
+                  faults=({"kind": "stall", "rank": 0, "step": STALL_STEP, "seconds": 240, "once": str(stalled)},),
+                  # Until the lost node is declared dead Ray still counts it and waits for 2 workers' room
+                  # this long (60 s by default) before it decides again, on the workers left.
+                  env={"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "10"})
+    # Step 5 starts after every rank reported checkpoint 4 (a barrier, synchronous upload).
+    _wait_until(proc, tmp_path, lambda: _last_step(record, 0) >= 5, "step 5")
+    cluster.kill_node()
+    killed_after = _last_step(record, 0)
+    _wait_until(proc, tmp_path, stalled.exists, f"the one-worker attempt reached step {STALL_STEP}")
+    returned = time.time()
+    cluster.restore()
+    outcome = _finish(proc, tmp_path)
+    assert "error" not in outcome, outcome
+    assert outcome["summary"]["steps"] == STEPS
+    records = {rank: read_records(record, rank) for rank in (0, 1)}
+    # Rank 0's attempts: their worker counts, and the step each began with.
+    runs = attempts(records[0])
+    assert [{r["world"] for r in run} for run in runs] == [{2}, {1}, {2}], [(run[0]["step"], run[-1]["step"]) for run in runs]
+    first, alone, grown = runs
+    assert first[-1]["step"] >= killed_after >= 5
+    # Each restart begins after a checkpoint (every 2 steps): the newest one the attempt before saved.
+    assert (alone[0]["step"] - 1) % 2 == 0 and 4 <= alone[0]["step"] - 1 <= first[-1]["step"] < STALL_STEP - 2
+    assert alone[-1]["step"] == STALL_STEP - 1 and grown[0]["step"] == STALL_STEP - 1  # from checkpoint 8
+    assert grown[0]["time"] > returned and grown[-1]["step"] == STEPS
+    assert {r["node"] for r in alone} == {cluster.head_node_id}
+    grown_rank1 = attempts(records[1])[-1]
+    assert grown_rank1[0]["step"] == STALL_STEP - 1 and grown_rank1[0]["time"] > returned
+    assert {r["node"] for r in grown + grown_rank1} == {cluster.head_node_id, cluster.node_id[0]}  # it came back
+    # Checkpoint 8 was saved by the one worker: the resize loaded it on two through the universal form.
+    checkpoint8 = json.loads((tmp_path / "runs" / "elastic" / "checkpoint_step00000008" / "state.json").read_text())
+    assert checkpoint8["world_size"] == 1
+    # The final result: per step, every rank of the last attempt that trained it.
+    latest = {}
+    for rank_records in records.values():
+        for r in rank_records:
+            if r["step"] not in latest or r["time"] > latest[r["step"]]["time"]:
+                latest[r["step"]] = r
+    run = _per_step({rank: {s: r for s, r in effective(records[rank]).items() if rank < latest[s]["world"]}
+                     for rank in (0, 1)})
+    want = _per_step(reference["effective"])
+    assert sorted(run) == list(range(1, STEPS + 1))
+    for step in range(1, STEPS + 1):
+        got, ref = run[step], want[step]
+        assert got["example_ids"] == ref["example_ids"], step
+        if math.isnan(ref["loss"]):
+            assert math.isnan(got["loss"]) and step == NAN_STEP
+        else:
+            assert got["loss"] == pytest.approx(ref["loss"], abs=1e-5), step
+        # Another worker count reduces in another order (see the resume test below): rel 1e-6 of the sum.
+        assert got["weight_sum"] == pytest.approx(ref["weight_sum"], rel=1e-6), step
+    assert Counter(i for s in run.values() for i in s["example_ids"]) == Counter(
+        i for s in want.values() for i in s["example_ids"])
+    state = _final_state(tmp_path / "runs" / "elastic")
+    assert (state["world_size"], state["global_rows"], state["skipped_steps"]) == (2, 4, 1)
 
 
 def _per_step(by_rank: dict[int, dict[int, dict]]) -> dict[int, dict]:

@@ -1,4 +1,5 @@
-"""`ray job submit --working-dir . -- python jobs/train.py` against a `ray start --head` cluster."""
+"""`ray job submit --working-dir . -- python jobs/train.py` against a `ray start` cluster: the session's
+two-node loopback cluster (``two_node_cluster``), shared with the node-loss and elastic tests."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 
 from conftest import REPO
 from fault_tolerance_common import read_records
-from ray_cluster import BIN, alive_node_ids, ray_head
+from ray_cluster import BIN
 from test_console import assert_quiet_console
 
 pytestmark = pytest.mark.integration
@@ -38,10 +39,9 @@ def _submit_train(url: str, env: dict, submission_id: str, name: str, storage: P
     return state, logs
 
 
-def test_train_job_submitted_with_the_ray_cli_succeeds(tmp_path):
-    storage = tmp_path / "runs"
-    with ray_head() as (url, env):
-        _, logs = _submit_train(url, env, "hymt-e2e", "submitted", storage)
+def test_train_job_submitted_with_the_ray_cli_succeeds(two_node_cluster, tmp_path):
+    storage, cluster = tmp_path / "runs", two_node_cluster
+    _, logs = _submit_train(cluster.url, cluster.env, "hymt-e2e", "submitted", storage)
     assert "run submitted: 6 steps" in logs
     assert_quiet_console(logs, steps=6)
     summary = json.loads((storage / "submitted" / "summary.json").read_text())
@@ -49,16 +49,16 @@ def test_train_job_submitted_with_the_ray_cli_succeeds(tmp_path):
     assert Path(summary["model_dir"], "model.safetensors.index.json").exists()  # the workers' sharded export
 
 
-def test_train_job_on_two_nodes_places_workers_on_both(tmp_path):
+def test_train_job_on_two_nodes_places_workers_on_both(two_node_cluster, tmp_path):
     """A head and a second node (two `ray start` processes on loopback). Each training worker asks for 3
     logical CPUs: the head (5) and the other node (3) can each host one, so Ray must place them apart.
     Each rank's per-step record (``HYMT_RECORD_DIR``, brought to the workers by ``scaling.env``) names
     the node it ran on."""
-    storage, records = tmp_path / "runs", tmp_path / "records"
-    with ray_head(num_cpus=5, worker_nodes=(3,)) as (url, env):
-        nodes = alive_node_ids(env, url)
-        _, logs = _submit_train(url, env, "hymt-two-nodes", "two-nodes", storage, "scaling.cpus_per_worker=3",
-                                f"scaling.env.HYMT_RECORD_DIR={records}", "tracking.enabled=false")
+    storage, records, cluster = tmp_path / "runs", tmp_path / "records", two_node_cluster
+    nodes = cluster.node_ids()
+    _, logs = _submit_train(cluster.url, cluster.env, "hymt-two-nodes", "two-nodes", storage,
+                            "scaling.cpus_per_worker=3", f"scaling.env.HYMT_RECORD_DIR={records}",
+                            "tracking.enabled=false")
     assert "run two-nodes: 6 steps" in logs
     assert len(nodes) == 2
     ran_on = [{r["node"] for r in read_records(records, rank)} for rank in (0, 1)]
@@ -67,16 +67,15 @@ def test_train_job_on_two_nodes_places_workers_on_both(tmp_path):
     assert json.loads((storage / "two-nodes" / "summary.json").read_text())["steps"] == 6
 
 
-def test_tune_job_submitted_with_the_ray_cli_succeeds(tmp_path):
+def test_tune_job_submitted_with_the_ray_cli_succeeds(two_node_cluster, tmp_path):
     storage = tmp_path / "runs"
-    with ray_head() as (url, env):
-        submit = subprocess.run(
-            [str(BIN / "ray"), "job", "submit", "--address", url, "--working-dir", ".", "--",
-             "python", "jobs/tune.py", "--config", "tune-tiny-cpu", "--name", "submitted-search",
-             "--set", f"run.storage_root={storage}", "--set", "optim.max_steps=2", "--set", "eval.every_steps=2",
-             "--set", "checkpoint.every_steps=2", "--set", "tune.lr_grid=[3.0e-3]"],
-            cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
-        )
+    submit = subprocess.run(
+        [str(BIN / "ray"), "job", "submit", "--address", two_node_cluster.url, "--working-dir", ".", "--",
+         "python", "jobs/tune.py", "--config", "tune-tiny-cpu", "--name", "submitted-search",
+         "--set", f"run.storage_root={storage}", "--set", "optim.max_steps=2", "--set", "eval.every_steps=2",
+         "--set", "checkpoint.every_steps=2", "--set", "tune.lr_grid=[3.0e-3]"],
+        cwd=REPO, env=two_node_cluster.env, capture_output=True, text=True, timeout=600,
+    )
     assert submit.returncode == 0, f"{submit.stdout[-3000:]}\n{submit.stderr[-2000:]}"
     assert "search submitted-search: 1 trial of up to 2 steps" in submit.stdout
     assert (storage / "submitted-search" / "best.yaml").exists()

@@ -12,7 +12,7 @@ from raytrain_hymt.checkpoint import ResumeMismatchError, RunState, check_same_s
 from raytrain_hymt.export import _check_export_target
 from raytrain_hymt.config import load_config
 from raytrain_hymt.errors import ConfigError
-from raytrain_hymt.resources import resource_shortfall, worker_resources
+from raytrain_hymt.resources import fewest_workers, resource_shortfall, worker_resources
 from raytrain_hymt.trainer import preflight
 
 
@@ -122,3 +122,15 @@ def test_gpu_run_on_a_machine_without_gpus_fails_before_the_data_pipeline(tmp_pa
     assert "data: read" not in out  # stats.summary(): the pipeline never ran
     assert not list((tmp_path / "no-gpus").glob("checkpoint_*"))
     assert not (tmp_path / "no-gpus" / "summary.json").exists()
+
+
+def test_an_elastic_run_needs_room_for_its_fewest_workers_only(tmp_path):
+    elastic = load_config(None, [f"run.storage_root={tmp_path}", "scaling.min_workers=1", "scaling.num_workers=2",
+                                 "optim.global_batch_rows=4", "scaling.cpus_per_worker=3"])
+    assert fewest_workers(elastic) == (1, "scaling.min_workers")
+    assert fewest_workers(load_config()) == (2, "scaling.num_workers")
+    need = worker_resources(elastic)
+    assert resource_shortfall(need, 1, {"CPU": 4.0}, [{"CPU": 4.0}], workers_field="scaling.min_workers") is None
+    assert resource_shortfall(need, 1, {"CPU": 2.0}, [{"CPU": 2.0}], workers_field="scaling.min_workers") == (
+        "scaling.min_workers=1 x scaling.cpus_per_worker=3 needs 3 CPUs, this machine has 2 CPUs: lower "
+        "scaling.min_workers or scaling.cpus_per_worker, or raise scaling.local_num_cpus")
