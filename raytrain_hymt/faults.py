@@ -13,8 +13,7 @@ the restarted attempt runs through.
 ``HYMT_RECORD_DIR``: each rank appends one JSON line per step to ``<dir>/rank<R>.jsonl``: the step, the
 example ids of its rows, the loss, whether the update was skipped, the sum of the model's weights, the
 Ray node it ran on, the attempt's worker count and the wall-clock time, how many decoder-layer forwards the
-step ran and whether
-every module was in training mode during them (``watch_layers``: two forwards per layer and micro-step
+step ran and whether every module was in training mode during them (``watch_layers``: two forwards per layer and micro-step
 show that activation checkpointing really recomputes), and the rows, blocks and bytes of training data
 the rank fetched so far (``data.blocks.RowFetcher``).
 
