@@ -212,11 +212,7 @@ def build_trainer(cfg: Config, train, val, loop_inputs: dict, callbacks=(), loop
         loop or train_loop,
         # The blocks' object refs travel inside the config (Ray Train puts it in the object store whole).
         train_loop_config={**loop_inputs, "train_blocks": train_blocks(cfg, train)},
-        scaling_config=ray.train.ScalingConfig(
-            num_workers=_ray_num_workers(cfg), use_gpu=cfg.scaling.use_gpu,
-            resources_per_worker={"CPU": cfg.scaling.cpus_per_worker},
-            elastic_resize_monitor_interval_s=cfg.scaling.elastic_resize_monitor_interval_s,
-        ),
+        scaling_config=scaling_config(cfg),
         # train_loop fetches each rank's training rows itself (train_blocks); the benchmark's loop reads
         # the "train" shard. Every worker reads the whole validation stream and takes its slice.
         datasets={"train": train, "val": val},
@@ -229,6 +225,17 @@ def build_trainer(cfg: Config, train, val, loop_inputs: dict, callbacks=(), loop
             worker_runtime_env={"env_vars": env},
             callbacks=list(callbacks),
         ),
+    )
+
+
+def scaling_config(cfg: Config):
+    """Ray Train's ``ScalingConfig`` of a run (elastic when ``scaling.min_workers`` is set)."""
+    import ray.train
+
+    return ray.train.ScalingConfig(
+        num_workers=_ray_num_workers(cfg), use_gpu=cfg.scaling.use_gpu,
+        resources_per_worker={"CPU": cfg.scaling.cpus_per_worker},
+        elastic_resize_monitor_interval_s=cfg.scaling.elastic_resize_monitor_interval_s,
     )
 
 

@@ -108,17 +108,17 @@ def test_a_global_batch_that_does_not_divide_names_the_fields():
 
 
 def test_elastic_scaling_reaches_ray_train_and_every_worker_count_keeps_the_global_batch():
-    from raytrain_hymt.trainer import build_trainer
+    from raytrain_hymt.trainer import scaling_config
 
     elastic = ["scaling.min_workers=1", "scaling.num_workers=2", "optim.global_batch_rows=4",
                "scaling.elastic_resize_monitor_interval_s=2.5"]
     cfg = load_config(None, elastic)
     assert list(cfg.scaling.worker_counts) == [1, 2]
     assert [cfg.optim.accumulation(n) for n in cfg.scaling.worker_counts] == [2, 1]  # micro-batch 2
-    scaling = build_trainer(cfg, None, None, {}).scaling_config
+    scaling = scaling_config(cfg)
     assert (scaling.num_workers, scaling.elasticity_enabled, scaling.elastic_resize_monitor_interval_s,
             scaling.resources_per_worker) == ((1, 2), True, 2.5, {"CPU": 1.0})
-    fixed = build_trainer(load_config(), None, None, {}).scaling_config
+    fixed = scaling_config(load_config())
     assert (fixed.num_workers, fixed.elasticity_enabled, fixed.elastic_resize_monitor_interval_s) == (2, False, 60.0)
     assert list(load_config().scaling.worker_counts) == [2]
 
