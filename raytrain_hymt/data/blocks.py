@@ -65,8 +65,13 @@ def train_blocks(cfg: Config, train) -> ObjectStoreBlocks | ParquetBlocks:
         return ParquetBlocks(*train_row_groups(cfg.data.prepared_path))
     # iter_internal_ref_bundles of a materialized dataset hands out its blocks as they are, in order
     # (the pipeline keeps the order: preserve_order), without running anything again.
+    import ray
+
     entries = [e for bundle in train.iter_internal_ref_bundles() for e in bundle.blocks]
-    return ObjectStoreBlocks([e.ref for e in entries], [e.metadata.num_rows for e in entries])
+    # Copied into the driver's node (ray.put): a block lives on the node whose task made it, and a node
+    # that dies takes it along; a restarted rank then waited in ray.get for a rebuild that never came
+    # (the two-node node-loss test hung there). The driver's node lives as long as the run.
+    return ObjectStoreBlocks([ray.put(ray.get(e.ref)) for e in entries], [e.metadata.num_rows for e in entries])
 
 
 class RowFetcher:
