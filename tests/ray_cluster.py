@@ -96,8 +96,15 @@ class LoopbackCluster:
         """SIGKILL worker node ``index`` (its raylet, object store and workers) at once, as a machine that
         is switched off: no drain, the GCS finds the node dead on its own."""
         proc = self.workers[index]
+        # Ray starts each worker process in a session of its own, outside the node's process group: without
+        # killing them too, a training worker of the "switched off" node kept training until it noticed its
+        # raylet was gone (several steps under load, which made the elastic test's schedule flaky).
+        doomed = _descendants(proc.pid)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
+        for pid in doomed:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         proc.wait(timeout=30)
         self.workers[index] = None
 
@@ -146,3 +153,22 @@ def _wait_for_new_node(env: dict, url: str, before: set[str], timeout_s: float) 
         if time.time() > deadline:
             raise TimeoutError(f"no new node joined the cluster at {url} within {timeout_s} s (new: {new})")
         time.sleep(1)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children, their children, ...), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
