@@ -228,6 +228,33 @@ def test_same_seed_same_rows_in_the_same_order_and_prepared_round_trip(tatoeba):
     assert (tatoeba["out"] / "stats.json").exists()
 
 
+def test_prepared_files_are_read_back_in_file_order_where_ray_read_parquet_reorders_them(ray_session, tmp_path, monkeypatch):
+    """Ray 2.60's ``read_parquet`` bin-packs files into read tasks (first or best fit); with its default
+    128 MiB bins it packs a prepared dataset's small files in the order their footers come back from an
+    actor pool, which once reordered the round trip above in CI. A smaller bin (the packing runs on
+    the driver) makes the reordering certain."""
+    import pyarrow.parquet as pq
+
+    from raytrain_hymt.data.prepared import read_parquet_in_order
+
+    paths = []
+    for i, n in enumerate([6000, 6000, 1000]):
+        paths.append(str(tmp_path / f"f{i}.parquet"))
+        pq.write_table(pa.table({"file": np.full(n, i), "x": np.arange(n, dtype=np.float64)}), paths[-1],
+                       compression="none")
+    monkeypatch.setenv("RAY_DATA_PARQUET_BIN_PACKING_BYTES", "80000")
+
+    def files_in_row_order(ds):
+        return list(dict.fromkeys(ds.to_pandas()["file"].tolist()))
+
+    # The hazard ([1, 0, 2] on the session's cluster, [0, 2, 1] on a 4-CPU one): if this fails, Ray's reader
+    # keeps the files' order again and read_parquet_in_order could go.
+    assert files_in_row_order(ray_session.data.read_parquet(paths, shuffle=None)) != [0, 1, 2]
+    ds = read_parquet_in_order(paths)
+    assert files_in_row_order(ds) == [0, 1, 2]
+    assert ds.to_pandas()["x"].tolist() == [float(x) for n in (6000, 6000, 1000) for x in range(n)]
+
+
 def test_prepared_dataset_refuses_another_tokenizer_layout(tatoeba):
     cfg = tatoeba["cfg"].model_copy(deep=True)
     cfg.data.prepared_path = str(tatoeba["out"])

@@ -141,7 +141,7 @@ def plan_source(source: SourceConfig, source_index: int) -> list[ReadUnit]:
     return [ReadUnit(lambda p=p: read_batches(arrow_stream_batches(p), source_index, columns, name(p)), (p,)) for p in files]
 
 
-def _planned_datasource(units: list[ReadUnit]):
+def _planned_datasource(units: list[ReadUnit], schema):
     from ray.data.block import BlockMetadata
     from ray.data.datasource import Datasource, ReadTask
 
@@ -155,17 +155,18 @@ def _planned_datasource(units: list[ReadUnit]):
             tasks = []
             for unit in units:
                 meta = BlockMetadata(num_rows=None, size_bytes=None, input_files=list(unit.files), exec_stats=None)
-                tasks.append(ReadTask(unit.read, meta, schema=PAIR_SCHEMA, per_task_row_limit=per_task_row_limit))
+                tasks.append(ReadTask(unit.read, meta, schema=schema, per_task_row_limit=per_task_row_limit))
             return tasks
 
     return PlannedFiles()
 
 
-def read_units(units: list[ReadUnit]):
-    """Planned read tasks as a Ray Dataset of pairs (one read task per unit, streamed in blocks)."""
+def read_units(units: list[ReadUnit], schema=PAIR_SCHEMA):
+    """Planned read tasks as a Ray Dataset (pairs by default): one read task per unit, streamed in
+    blocks, in plan order (with ``preserve_order``)."""
     import ray.data
 
-    return ray.data.read_datasource(_planned_datasource(units), override_num_blocks=len(units))
+    return ray.data.read_datasource(_planned_datasource(units, schema), override_num_blocks=len(units))
 
 
 def read_source(source: SourceConfig, source_index: int):
