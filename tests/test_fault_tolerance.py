@@ -354,15 +354,7 @@ def test_elastic_run_goes_on_with_the_workers_left_and_grows_back(reference, two
                      for rank in (0, 1)})
     want = _per_step(reference["effective"])
     assert sorted(run) == list(range(1, STEPS + 1))
-    for step in range(1, STEPS + 1):
-        got, ref = run[step], want[step]
-        assert got["example_ids"] == ref["example_ids"], step
-        if math.isnan(ref["loss"]):
-            assert math.isnan(got["loss"]) and step == NAN_STEP
-        else:
-            assert got["loss"] == pytest.approx(ref["loss"], abs=1e-5), step
-        # Another worker count reduces in another order (see the resume test below): rel 1e-6 of the sum.
-        assert got["weight_sum"] == pytest.approx(ref["weight_sum"], rel=1e-6), step
+    _assert_same_steps(run, want)
     assert Counter(i for s in run.values() for i in s["example_ids"]) == Counter(
         i for s in want.values() for i in s["example_ids"])
     state = _final_state(tmp_path / "runs" / "elastic")
@@ -384,6 +376,23 @@ def _recorded(folder: Path, ranks: int) -> dict[int, dict]:
     return _per_step({rank: effective(read_records(folder, rank)) for rank in range(ranks)})
 
 
+def _assert_same_steps(run: dict[int, dict], want: dict[int, dict]) -> None:
+    """Every step of ``run`` has the reference's example ids, its loss within 1e-5 (NaN only at the
+    injected step) and its weight sum within 1e-6 relative.
+
+    Another worker count reduces the same gradients in another order, and micro-batch 1 pads rows
+    otherwise than 2: the sum of 1.8 M fp32 weights rounds differently (2 → 1: 1.05e-5 of 1471 at step
+    10; 4 × 1 row: 2.9e-5 of 1388 at step 4, before any resume, 1.5e-4 of 1462 at step 9)."""
+    for step in range(1, STEPS + 1):
+        got, ref = run[step], want[step]
+        assert got["example_ids"] == ref["example_ids"], step
+        if math.isnan(ref["loss"]):
+            assert math.isnan(got["loss"]) and step == NAN_STEP
+        else:
+            assert got["loss"] == pytest.approx(ref["loss"], abs=1e-5), step
+        assert got["weight_sum"] == pytest.approx(ref["weight_sum"], rel=1e-6), step
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("before,after,micro", [(2, 1, 2), (4, 2, 1)], ids=["2to1", "4to2"])
 def test_resume_on_another_worker_count_continues_the_trajectory(reference, tmp_path, monkeypatch, before, after, micro):
@@ -403,17 +412,7 @@ def test_resume_on_another_worker_count_continues_the_trajectory(reference, tmp_
     resumed = _recorded(tmp_path / "record2", after)
     assert sorted(resumed) == list(range(5, STEPS + 1))  # from checkpoint 4, on the new worker count
     run, want = {**_recorded(tmp_path / "record1", before), **resumed}, _per_step(reference["effective"])
-    for step in range(1, STEPS + 1):
-        got, ref = run[step], want[step]
-        assert got["example_ids"] == ref["example_ids"], step
-        if math.isnan(ref["loss"]):
-            assert math.isnan(got["loss"]) and step == NAN_STEP
-        else:
-            assert got["loss"] == pytest.approx(ref["loss"], abs=1e-5), step
-        # Another worker count reduces the same gradients in another order, and micro-batch 1 pads rows
-        # otherwise than 2: the sum of 1.8 M fp32 weights rounds differently (2 → 1: 1.05e-5 of 1471 at
-        # step 10; 4 × 1 row: 2.9e-5 of 1388 at step 4, before any resume, 1.5e-4 of 1462 at step 9).
-        assert got["weight_sum"] == pytest.approx(ref["weight_sum"], rel=1e-6), step
+    _assert_same_steps(run, want)
     # ... while each applied step moves it by far more, so a lost Adam state or a wrong partition would show.
     moves = [abs(want[s]["weight_sum"] - want[s - 1]["weight_sum"]) for s in range(2, STEPS + 1) if s != NAN_STEP]
     assert min(moves) > 10 * 1e-6 * max(r["weight_sum"] for r in want.values()), moves
