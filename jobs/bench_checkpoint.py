@@ -10,7 +10,14 @@ worker count (ZeRO splits the same optimizer states over more files).
 
     python jobs/bench_checkpoint.py                          # the tiny model on CPU (fp32, ZeRO-2)
     python jobs/bench_checkpoint.py --gpu --layers 2 4       # Hunyuan-MT-7B width at 2 and 4 layers, bf16,
-                                                             # then a straight-line fit in depth to 32 layers
+                                                             # then a straight-line fit to the 32-layer model
+    python jobs/bench_checkpoint.py --layers 1 3 --vocab 16384   # the same width on a CPU machine that
+                                                             # cannot hold the 128k vocabulary's embeddings
+
+The fit is a straight line in the parameter count through the measured models, evaluated at the full
+model's (Hunyuan-MT-7B: 32 layers, 128,167-token vocabulary, untied: 8.03 B): a checkpoint and its
+conversion handle every parameter's fp32 weight and Adam moments alike, so seconds and bytes follow
+the parameters, whether they sit in layers or in the embeddings.
 
 Work lost per failure is at most ``checkpoint.every_steps`` steps (half of it on average) plus the
 restart: the step time printed here gives it in seconds.
@@ -46,15 +53,35 @@ def _init_process_group(gpu: bool) -> None:
     dist.init_process_group("nccl" if gpu else "gloo", rank=0, world_size=1)
 
 
-def _model(layers: int | None, gpu: bool, dtype, folder: Path, tied: bool):
-    from raytrain_hymt.model import hunyuan_7b_config, load_model
+def _shape(layers: int, tied: bool, vocab: int | None) -> dict:
+    """config.json of the Hunyuan-MT-7B width at ``layers``; ``vocab``: a smaller vocabulary (its special
+    tokens moved inside it)."""
+    from raytrain_hymt.model import hunyuan_7b_config
+
+    small = {} if vocab is None else {"vocab_size": vocab, "pad_token_id": vocab - 2, "eos_token_id": vocab - 1}
+    return hunyuan_7b_config(layers, tie_word_embeddings=tied, **small)
+
+
+def shape_params(shape: dict) -> int:
+    """Parameters of a model of ``shape`` (built on the meta device: no memory)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = dict(shape)
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    with torch.device("meta"):
+        return sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+
+
+def _model(layers: int | None, gpu: bool, dtype, folder: Path, tied: bool, vocab: int | None):
+    from raytrain_hymt.model import load_model
     from raytrain_hymt.tokenizer import RANDOM_PREFIX, load_tokenizer
 
     tokenizer = load_tokenizer("tiny")
     if layers is None:
         return load_model("tiny", tokenizer, dtype=dtype), tokenizer
     config = folder / f"hunyuan-7b-{layers}l.json"
-    config.write_text(json.dumps(hunyuan_7b_config(layers, tie_word_embeddings=tied)))
+    config.write_text(json.dumps(_shape(layers, tied, vocab)))
     return load_model(f"{RANDOM_PREFIX}{config}", tokenizer, dtype=dtype, device="cuda" if gpu else "cpu"), tokenizer
 
 
@@ -71,71 +98,99 @@ def _train_step(engine, vocab: int, tokens: int, device) -> float:
     return time.perf_counter() - started
 
 
-def measure(layers: int | None, gpu: bool, precision: str, zero_stage: int, tokens: int, tied: bool,
-            universal_dir: str | None = None) -> dict:
-    """Figures for one model: bytes, parameters and the seconds of each checkpoint operation.
-    ``universal_dir``: where the conversion writes (default: beside the checkpoint, in the temp folder)."""
+def _checkpoint_figures(layers: int | None, gpu: bool, precision: str, zero_stage: int, tokens: int, tied: bool,
+                        vocab: int | None, work: str) -> dict:
+    """Build, train, save, check and restore one model (in a process of its own: see :func:`measure`);
+    its figures, and the checkpoint's ``folder`` and ``tag`` for the conversion."""
     import torch
 
     from raytrain_hymt.checkpoint import RunState, check_checkpoint, restore_rank, save_rank_checkpoint, step_tag
     from raytrain_hymt.config import load_config
     from raytrain_hymt.engine import initialize_engine
 
+    _init_process_group(gpu)
     cfg = load_config(None, [f"deepspeed.precision={precision}", f"deepspeed.zero_stage={zero_stage}",
                              f"scaling.use_gpu={str(gpu).lower()}", "scaling.num_workers=1", "optim.max_grad_norm=1.0"])
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
+    model, tokenizer = _model(layers, gpu, dtype, Path(work), tied, vocab)
+    params = sum(p.numel() for p in model.parameters())
+    started = time.perf_counter()
+    engine, _ = initialize_engine(model, cfg, 1, 100, on_gpu=gpu)
+    build_s = time.perf_counter() - started
+    device = torch.device("cuda", 0) if gpu else torch.device("cpu")
+    vocab_size = model.config.vocab_size
+    _train_step(engine, vocab_size, tokens, device)  # creates the optimizer states
+    step_s = min(_train_step(engine, vocab_size, tokens, device) for _ in range(3))
+    state = RunState(step=4, epoch=0, batch_in_epoch=4, world_size=1, tag=step_tag(4), zero_stage=zero_stage)
+    started = time.perf_counter()
+    folder = save_rank_checkpoint(engine, state, 0, tokenizer)
+    save_s = time.perf_counter() - started
+    size = sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file())
+    check_s = None
+    try:
+        import pyarrow.fs
+    except ImportError:  # the GPU image may lack pyarrow (FACTS.md); the other figures still stand
+        pass
+    else:
+        started = time.perf_counter()
+        check_checkpoint(pyarrow.fs.LocalFileSystem(), folder)
+        check_s = round(time.perf_counter() - started, 4)
+    started = time.perf_counter()
+    restore_rank(engine, folder, 0)
+    if gpu:
+        torch.cuda.synchronize()
+    restore_s = time.perf_counter() - started
+    return {"layers": model.config.num_hidden_layers, "model": "tiny" if layers is None else "hunyuan-mt-7b-width",
+            "vocab": vocab_size, "params": params, "precision": precision, "zero_stage": zero_stage,
+            "checkpoint_bytes": size, "bytes_per_param": round(size / params, 2), "save_s": round(save_s, 3),
+            "check_s": check_s, "restore_s": round(restore_s, 3), "engine_build_s": round(build_s, 2),
+            "step_s": round(step_s, 3), "step_tokens": tokens,
+            "device": torch.cuda.get_device_name(0) if gpu else "cpu", "folder": folder, "tag": state.tag}
+
+
+def _spawned(fn, *args):
+    """``fn(*args)`` in a fresh process (spawned: no CUDA or process group inherited), its result."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
+
+
+def measure(layers: int | None, gpu: bool, precision: str, zero_stage: int, tokens: int, tied: bool,
+            universal_dir: str | None = None, vocab: int | None = None) -> dict:
+    """Figures for one model: bytes, parameters and the seconds of each checkpoint operation.
+    ``universal_dir``: where the conversion writes (default: beside the checkpoint, in the temp folder).
+
+    The engine and the conversion run in processes of their own, one after the other: the conversion
+    gets the memory the engine held (on a CPU machine both would not fit) and its peak is its own."""
     work = Path(tempfile.mkdtemp(prefix="hymt-bench-ckpt-"))
     try:
-        model, tokenizer = _model(layers, gpu, dtype, work, tied)
-        params = sum(p.numel() for p in model.parameters())
-        started = time.perf_counter()
-        engine, _ = initialize_engine(model, cfg, 1, 100, on_gpu=gpu)
-        build_s = time.perf_counter() - started
-        device = torch.device("cuda", 0) if gpu else torch.device("cpu")
-        vocab = model.config.vocab_size
-        _train_step(engine, vocab, tokens, device)  # creates the optimizer states
-        step_s = min(_train_step(engine, vocab, tokens, device) for _ in range(3))
-        state = RunState(step=4, epoch=0, batch_in_epoch=4, world_size=1, tag=step_tag(4), zero_stage=zero_stage)
-        started = time.perf_counter()
-        folder = save_rank_checkpoint(engine, state, 0, tokenizer)
-        save_s = time.perf_counter() - started
-        size = sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file())
-        check_s = None
+        row = _spawned(_checkpoint_figures, layers, gpu, precision, zero_stage, tokens, tied, vocab, str(work))
+        folder, tag = row.pop("folder"), row.pop("tag")
         try:
-            import pyarrow.fs
-        except ImportError:  # the GPU image may lack pyarrow (FACTS.md); the other figures still stand
-            pass
-        else:
-            started = time.perf_counter()
-            check_checkpoint(pyarrow.fs.LocalFileSystem(), folder)
-            check_s = round(time.perf_counter() - started, 4)
-        started = time.perf_counter()
-        restore_rank(engine, folder, 0)
-        if gpu:
-            torch.cuda.synchronize()
-        restore_s = time.perf_counter() - started
-        universal_s, universal_gib = _universal_conversion(folder, state.tag, Path(universal_dir or work) / "universal")
-        shutil.rmtree(folder, ignore_errors=True)
-        return {"layers": layers if layers is not None else model.config.num_hidden_layers,
-                "model": "tiny" if layers is None else "hunyuan-mt-7b-width", "params": params,
-                "precision": precision, "zero_stage": zero_stage, "checkpoint_bytes": size,
-                "bytes_per_param": round(size / params, 2), "save_s": round(save_s, 3), "check_s": check_s,
-                "restore_s": round(restore_s, 3), "universal_s": round(universal_s, 3),
-                "universal_peak_rss_gib": round(universal_gib, 2), "engine_build_s": round(build_s, 2), "step_s": round(step_s, 3),
-                "step_tokens": tokens, "device": torch.cuda.get_device_name(0) if gpu else "cpu"}
+            universal_s, universal_gib = _universal_conversion(folder, tag, Path(universal_dir or work) / "universal")
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        return {**row, "universal_s": round(universal_s, 3), "universal_peak_rss_gib": round(universal_gib, 2)}
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _universal_conversion(folder: str, tag: str, out: Path) -> tuple[float, float]:
-    """Seconds and peak resident memory (GiB) of ``reshard.convert_to_universal`` in a fresh process with
-    one extracting worker: the peak is that process's own, not this one's (which holds the engine)."""
-    import multiprocessing
+def _convert(folder: str, tag: str, out: Path) -> tuple[float, float]:
+    """``reshard.convert_to_universal`` with one extracting worker: its seconds, and the peak resident
+    memory (GiB) of this process and of the workers it started."""
     import resource
-    from concurrent.futures import ProcessPoolExecutor
 
     from raytrain_hymt.reshard import convert_to_universal
 
+    seconds = convert_to_universal(folder, tag, out, 1)
+    peak_kib = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    return seconds, peak_kib / 2**20
+
+
+def _universal_conversion(folder: str, tag: str, out: Path) -> tuple[float, float]:
+    """Seconds and peak resident memory (GiB) of the conversion to the universal form, in a fresh process."""
     # The conversion writes the fp32 weights and both Adam moments twice (extracted slices, then the
     # universal files): a full disk shows up as torch.save's "unexpected pos" deep inside it.
     need = 2 * sum(f.stat().st_size for f in Path(folder).rglob("*optim_states*"))
@@ -144,24 +199,22 @@ def _universal_conversion(folder: str, tag: str, out: Path) -> tuple[float, floa
     if free < need:
         raise RuntimeError(f"the universal conversion needs about {need / 2**30:.1f} GiB free in {out.parent}, "
                            f"which has {free / 2**30:.1f} GiB: give --universal-dir on another filesystem")
-
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        seconds = pool.submit(convert_to_universal, folder, tag, out, 1).result()
-    peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # the largest child's peak, in KiB
-    shutil.rmtree(out, ignore_errors=True)
-    return seconds, peak_kib / 2**20
+    try:
+        return _spawned(_convert, folder, tag, out)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
 
 
-def extrapolate(rows: list[dict], target: int) -> dict:
-    """Straight line through two depths, evaluated at ``target`` layers (everything but the layers is the
-    embeddings and head, the same at every depth)."""
+def extrapolate(rows: list[dict], target: int, target_params: int) -> dict:
+    """Straight line in the parameter count through the first and last measured models, evaluated at
+    ``target_params`` (the model of ``target`` layers)."""
     a, b = rows[0], rows[-1]
-    out = {"layers": target, "extrapolated_from": [a["layers"], b["layers"]]}
+    out = {"layers": target, "params": target_params, "extrapolated_from": [[r["layers"], r["params"]] for r in (a, b)]}
     # The conversion's peak memory too: its extraction loads one rank's whole optimizer file (fp32
-    # weights and both Adam moments of that rank's share), which grows with the depth.
-    for key in ("params", "checkpoint_bytes", "save_s", "restore_s", "universal_s", "universal_peak_rss_gib"):
-        slope = (b[key] - a[key]) / (b["layers"] - a["layers"])
-        out[key] = round(a[key] + slope * (target - a["layers"]), 3)
+    # weights and both Adam moments of that rank's share), which grows with the parameters.
+    for key in ("checkpoint_bytes", "save_s", "restore_s", "universal_s", "universal_peak_rss_gib"):
+        slope = (b[key] - a[key]) / (b["params"] - a["params"])
+        out[key] = round(a[key] + slope * (target_params - a["params"]), 3)
     return out
 
 
@@ -174,6 +227,8 @@ def main(argv=None) -> int:
     p.add_argument("--target-layers", type=int, default=32, help="depth to extrapolate to (two or more --layers)")
     p.add_argument("--tied", action="store_true", help="tie input and output embeddings (Hunyuan-7B; MT-7B is untied)")
     p.add_argument("--precision", choices=["bf16", "fp32"], default=None, help="default: bf16 on GPU, fp32 on CPU")
+    p.add_argument("--vocab", type=int, default=None,
+                   help="a smaller vocabulary for the measured models (the fit still targets the full one)")
     p.add_argument("--zero-stage", type=int, default=2)
     p.add_argument("--tokens", type=int, default=None, help="tokens in the timed step (default 4096 GPU, 256 CPU)")
     p.add_argument("--out", default=None, help="also write the JSON lines to this file")
@@ -183,16 +238,16 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     precision = args.precision or ("bf16" if args.gpu else "fp32")
     tokens = args.tokens or (4096 if args.gpu else 256)
-    _init_process_group(args.gpu)
     rows = []
     for n in args.layers or [None]:
         try:
-            rows.append(measure(n, args.gpu, precision, args.zero_stage, tokens, args.tied, args.universal_dir))
+            rows.append(measure(n, args.gpu, precision, args.zero_stage, tokens, args.tied, args.universal_dir, args.vocab))
         except Exception as e:  # noqa: BLE001 - one depth that cannot run (memory, disk) must not lose the others
             rows.append({"layers": n, "error": f"{type(e).__name__}: {e}"})
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)  # kept if a later, larger depth gets killed
     measured = [r for r in rows if "error" not in r]
     if len(measured) >= 2:
-        rows.append(extrapolate(measured, args.target_layers))
+        rows.append(extrapolate(measured, args.target_layers, shape_params(_shape(args.target_layers, args.tied, None))))
     from benchmarks.throughput import print_json_lines
 
     print_json_lines(rows, args.out)

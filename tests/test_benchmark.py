@@ -167,3 +167,23 @@ def test_zero3_load_benchmark_measures_both_ways(tmp_path):
         assert r["loaded_partitioned"] == r["partitioned_load"]  # zero.Init did partition (and only then)
         assert 0 < r["peak_private_gib_load"] <= r["peak_rss_gib_after_load"]
     assert not list(tmp_path.iterdir())  # the model folder is temporary
+
+
+def test_checkpoint_benchmark_scales_along_the_parameter_count_to_the_full_model():
+    """jobs/bench_checkpoint.py measures small models (fewer layers, a smaller vocabulary on a CPU machine)
+    and evaluates a straight line in the parameter count at the full Hunyuan-MT-7B's."""
+    sys.path.insert(0, str(REPO / "jobs"))
+    try:
+        import bench_checkpoint
+    finally:
+        sys.path.remove(str(REPO / "jobs"))
+    full = bench_checkpoint.shape_params(bench_checkpoint._shape(32, False, None))
+    assert full == 8_029_540_352 and bench_checkpoint.shape_params(bench_checkpoint._shape(32, True, None)) == 7_504_568_320
+    small = bench_checkpoint._shape(2, False, 16384)
+    assert (small["vocab_size"], small["pad_token_id"], small["eos_token_id"]) == (16384, 16382, 16383)
+    rows = [{"layers": n, "params": p, **{k: 3.0 + 2e-9 * p for k in
+                                          ("checkpoint_bytes", "save_s", "restore_s", "universal_s", "universal_peak_rss_gib")}}
+            for n, p in ((1, 352_334_080), (2, 570_446_336))]
+    out = bench_checkpoint.extrapolate(rows, 32, full)
+    assert out["params"] == full and out["extrapolated_from"] == [[1, 352_334_080], [2, 570_446_336]]
+    assert out["universal_s"] == pytest.approx(3.0 + 2e-9 * full, abs=1e-3)
