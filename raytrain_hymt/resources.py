@@ -102,3 +102,32 @@ def check_cluster_resources(cfg: Config, started_locally: bool) -> None:
     if started_locally:
         raise ConfigError(message)
     log.warning("%s", message)
+
+
+def check_state_api() -> None:
+    """Fail before a search starts when this cluster has no State API (Ray's dashboard is off).
+
+    Ray Train removes a stopped trial's worker placement group from a watcher that asks the State API
+    whether the trial's controller is still alive; without it the reservation is never freed, and once
+    stopped trials hold the cluster's CPUs or GPUs the search waits forever for the next trial's workers.
+    The API must answer for this cluster: without a dashboard of its own, Ray asks port 8265 on this
+    machine, where another Ray's may run.
+    """
+    import ray
+    from ray.util.state import list_nodes
+    from ray.util.state.exception import RayStateApiException
+
+    try:
+        nodes = list_nodes(limit=10_000, timeout=10, raise_on_missing_output=False)
+    except RayStateApiException as e:
+        reason = type(e).__name__
+    else:
+        if ray.get_runtime_context().get_node_id() in {n.node_id for n in nodes}:
+            return
+        reason = "the State API on this machine answers for another Ray cluster"
+    raise ConfigError(
+        f"hymt tune needs Ray's State API, served by the dashboard, which this cluster does not run ({reason}): "
+        "without it every trial ASHA stops keeps its workers' CPUs/GPUs reserved and the search hangs once they "
+        "are all held. Start the cluster with the dashboard (ray start --head without --include-dashboard=false; "
+        "the dashboard's packages: pip install 'ray[default]')"
+    )

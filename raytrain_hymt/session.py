@@ -27,7 +27,9 @@ def init_ray(cfg: Config) -> bool:
     # 2 training workers plus the tokenizer actors need more logical CPUs than a 2-core machine has
     # (FACTS.md: on 2 logical CPUs the actors never start). Logical CPUs are only a scheduling count.
     want = cfg.scaling.local_num_cpus or max(4, os.cpu_count() or 1, int(cfg.scaling.num_workers * cfg.scaling.cpus_per_worker) + cfg.data.tokenize_actors)
-    ray.init(address="local", num_cpus=want, include_dashboard=False, **ray_init_kwargs())
+    # The dashboard serves Ray's State API, which Ray Train's placement-group cleaner needs to see that a
+    # trial's controller died: without it every trial Tune stops leaves its workers' resources reserved.
+    ray.init(address="local", num_cpus=want, include_dashboard=True, **ray_init_kwargs())
     return True
 
 

@@ -177,7 +177,7 @@ def run_search(cfg: Config) -> SearchResult:
 
     from raytrain_hymt import data_progress
     from raytrain_hymt.data.pipeline import build_datasets
-    from raytrain_hymt.resources import check_cluster_resources
+    from raytrain_hymt.resources import check_cluster_resources, check_state_api
     from raytrain_hymt.storage import is_uri
     from raytrain_hymt.trainer import preflight
     from raytrain_hymt.session import init_ray
@@ -196,6 +196,7 @@ def run_search(cfg: Config) -> SearchResult:
     # One trial's worker group must fit before the datasets are built (its driver's CPUs are checked by
     # max_concurrent_trials, which needs the cluster anyway).
     check_cluster_resources(cfg, init_ray(cfg))
+    check_state_api()
     tracker, uri = start_tracking(cfg, search_dir)
     try:
         with data_progress.showing():

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -132,6 +134,7 @@ def search(ray_session, tmp_path_factory):
         "tune.grace_period_steps": 2, "tune.max_concurrent_trials": 1,  # one at a time: ASHA's order is fixed
         "tune.lr_grid": str(SEARCH_LRS),
     })
+    reserved_before = _reserved_placement_groups(ray_session)
     started = time.monotonic()
     # First attempt: interrupted once the second trial started (one at a time: the first has finished).
     watcher = _interrupt_when(storage / "lr-search", "trial-*/run.json", 2)
@@ -140,11 +143,55 @@ def search(ray_session, tmp_path_factory):
     # Second attempt: the same command continues the search.
     second = run_search(load_config("tune-tiny-cpu", overrides))
     print(f"search: interrupted + continued in {time.monotonic() - started:.0f} s")
-    return storage, first, second
+    # Ray Train's cleaner frees a stopped trial's workers a few seconds after its controller died.
+    deadline = time.monotonic() + 60
+    while (left := _reserved_placement_groups(ray_session) - reserved_before) and time.monotonic() < deadline:
+        time.sleep(1)
+    return storage, first, second, left
+
+
+def _reserved_placement_groups(ray) -> set[str]:
+    return {pg_id for pg_id, pg in ray.util.placement_group_table().items() if pg["state"] == "CREATED"}
+
+
+def test_trials_stopped_or_interrupted_leave_no_resources_reserved(search):
+    """Every trial ASHA stopped, and the one the interruption killed, gave its workers' placement group
+    back: left reserved, they starved the next trials (a 4-CPU search hung at its fourth trial)."""
+    *_, left = search
+    assert not left, f"{len(left)} placement groups of finished trials still reserved"
+
+
+def test_a_cluster_without_the_state_api_is_refused_and_a_local_ray_has_it(tmp_path):
+    """The check ``hymt tune`` runs before any trial, on a Ray without its dashboard, then on the local Ray
+    the product starts (``session.init_ray``): refused with the fix, then passed (both in a subprocess, a
+    Ray of its own beside the session's)."""
+    script = """
+import ray
+from raytrain_hymt.config import load_config
+from raytrain_hymt.errors import ConfigError
+from raytrain_hymt.resources import check_state_api
+from raytrain_hymt.session import init_ray
+ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
+try:
+    check_state_api()
+except ConfigError as e:
+    print("REFUSED:", e)
+ray.shutdown()
+init_ray(load_config(None, []))
+check_state_api()
+print("LOCAL RAY: ok")
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    # ServerUnavailable alone; beside the session's cluster, whose dashboard has port 8265, that one answers.
+    assert ("REFUSED: hymt tune needs Ray's State API, served by the dashboard, which this cluster does not run "
+            "(ServerUnavailable)" in out.stdout) or ("which this cluster does not run (the State API on this machine "
+                                                    "answers for another Ray cluster)" in out.stdout), out.stdout
+    assert "Start the cluster with the dashboard" in out.stdout and out.stdout.rstrip().endswith("LOCAL RAY: ok")
 
 
 def test_interrupted_search_continues(search):
-    _, first, second = search
+    _, first, second, _ = search
     # One at a time: the first trial had finished, the second was running (Tune had not made the rest).
     assert not first.finished
     assert [r.status for r in first.rows] == ["done", "unfinished"]
@@ -160,7 +207,7 @@ def test_interrupted_search_continues(search):
 
 
 def test_asha_stops_the_hopeless_trial_and_the_best_lr_wins(search):
-    _, _, result = search
+    _, _, result, _ = search
     rows = {r.params["optim.lr"]: r for r in result.rows}
     assert sorted(rows) == sorted(SEARCH_LRS)
     hopeless = rows[1e-6]
@@ -182,7 +229,7 @@ def test_asha_stops_the_hopeless_trial_and_the_best_lr_wins(search):
 
 
 def test_best_preset_trains_with_the_best_lr(search):
-    _, _, result = search
+    _, _, result, _ = search
     cfg = load_config(result.best_preset)
     assert cfg.optim.lr == result.best.params["optim.lr"]
     assert cfg.optim.max_steps == 8 and cfg.tune is None
@@ -192,7 +239,7 @@ def test_best_preset_trains_with_the_best_lr(search):
 def test_mlflow_parent_has_one_child_per_trial(search):
     from mlflow import MlflowClient
 
-    storage, _, result = search
+    storage, _, result, _ = search
     assert result.tracking_uri == f"sqlite:///{storage}/mlflow.db"
     client = MlflowClient(result.tracking_uri)
     parent = client.get_run(result.mlflow_run_id)
