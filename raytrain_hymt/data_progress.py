@@ -25,6 +25,7 @@ import time
 from ray.data._internal.execution.execution_callback import ExecutionCallback
 
 from raytrain_hymt.data.packing import as_single_rows, pack_examples
+from raytrain_hymt.data.prepared import PREPARED_READER
 from raytrain_hymt.data.tokenize import TokenizePairs
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,8 @@ def stage_of(op_name: str) -> str | None:
         return "packing and writing" if parts[-1] == "Write" else "packing"
     if any(f"({TokenizePairs.__name__})" in p for p in parts):
         return "tokenizing"
+    if parts[0].startswith(f"Read{PREPARED_READER}"):
+        return "reading prepared rows"
     if parts[0].startswith("Read"):
         return "reading"
     if parts[0].startswith("Sort"):

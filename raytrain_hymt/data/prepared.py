@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 MANIFEST_FILE = "manifest.json"
 STATS_FILE = "stats.json"
 MANIFEST_FORMAT = 1
+#: The name of the operator that reads prepared rows back (``Read<name>``; not pairs of a corpus).
+PREPARED_READER = "PreparedRows"
 
 
 class PreparedDatasetExists(DataSourceError):
@@ -189,7 +191,7 @@ def read_parquet_in_order(paths: list[str]):
     Not ``ray.data.read_parquet``: Ray 2.60's Parquet reader (its datasource v2) bin-packs the files into
     read tasks in the order their footers come back from a pool of actors, so its rows need not come in
     the files' order (a prepared dataset read back that way once failed the round-trip test in CI)."""
-    return read_units([ReadUnit(lambda p=p: _row_groups(p), (p,)) for p in paths], schema=None)
+    return read_units([ReadUnit(lambda p=p: _row_groups(p), (p,)) for p in paths], schema=None, name=PREPARED_READER)
 
 
 def _read_files(path: str, files: dict[str, list[str]]):

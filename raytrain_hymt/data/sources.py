@@ -141,12 +141,15 @@ def plan_source(source: SourceConfig, source_index: int) -> list[ReadUnit]:
     return [ReadUnit(lambda p=p: read_batches(arrow_stream_batches(p), source_index, columns, name(p)), (p,)) for p in files]
 
 
-def _planned_datasource(units: list[ReadUnit], schema):
+def _planned_datasource(units: list[ReadUnit], schema, name: str):
     from ray.data.block import BlockMetadata
     from ray.data.datasource import Datasource, ReadTask
 
     class PlannedFiles(Datasource):
         """One Ray read task per :class:`ReadUnit`, in plan order."""
+
+        def get_name(self):
+            return name
 
         def estimate_inmemory_data_size(self):
             return None
@@ -161,12 +164,12 @@ def _planned_datasource(units: list[ReadUnit], schema):
     return PlannedFiles()
 
 
-def read_units(units: list[ReadUnit], schema=PAIR_SCHEMA):
+def read_units(units: list[ReadUnit], schema=PAIR_SCHEMA, name: str = "PlannedFiles"):
     """Planned read tasks as a Ray Dataset (pairs by default): one read task per unit, streamed in
-    blocks, in plan order (with ``preserve_order``)."""
+    blocks, in plan order (with ``preserve_order``); ``name``: the read operator's (``Read<name>``)."""
     import ray.data
 
-    return ray.data.read_datasource(_planned_datasource(units, schema), override_num_blocks=len(units))
+    return ray.data.read_datasource(_planned_datasource(units, schema, name), override_num_blocks=len(units))
 
 
 def read_source(source: SourceConfig, source_index: int):
