@@ -38,19 +38,23 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def _init_process_group(gpu: bool) -> None:
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init_process_group(gpu: bool, rank: int, world: int, port: int) -> None:
     import torch
     import torch.distributed as dist
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
     if gpu:
-        torch.cuda.set_device(0)
+        torch.cuda.set_device(rank)
     else:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    dist.init_process_group("nccl" if gpu else "gloo", rank=0, world_size=1)
+    dist.init_process_group("nccl" if gpu else "gloo", rank=rank, world_size=world)
 
 
 def _shape(layers: int, tied: bool, vocab: int | None) -> dict:
@@ -98,76 +102,98 @@ def _train_step(engine, vocab: int, tokens: int, device) -> float:
     return time.perf_counter() - started
 
 
-def _checkpoint_figures(layers: int | None, gpu: bool, precision: str, zero_stage: int, tokens: int, tied: bool,
-                        vocab: int | None, work: str) -> dict:
-    """Build, train, save, check and restore one model (in a process of its own: see :func:`measure`);
-    its figures, and the checkpoint's ``folder`` and ``tag`` for the conversion."""
+def _checkpoint_figures(rank: int, world: int, port: int, layers: int | None, gpu: bool, precision: str,
+                        zero_stage: int, tokens: int, tied: bool, vocab: int | None, work: str) -> dict:
+    """One rank of ``world``: build, train, save, check and restore one model (in a process of its own:
+    see :func:`measure`); its figures, and the folder of its part of the checkpoint and the ``tag``. With
+    several ranks only rank 0 checks and restores, from its own folder (the others' files are elsewhere)."""
     import torch
 
     from raytrain_hymt.checkpoint import RunState, check_checkpoint, restore_rank, save_rank_checkpoint, step_tag
     from raytrain_hymt.config import load_config
     from raytrain_hymt.engine import initialize_engine
 
-    _init_process_group(gpu)
+    _init_process_group(gpu, rank, world, port)
     cfg = load_config(None, [f"deepspeed.precision={precision}", f"deepspeed.zero_stage={zero_stage}",
-                             f"scaling.use_gpu={str(gpu).lower()}", "scaling.num_workers=1", "optim.max_grad_norm=1.0"])
+                             f"scaling.use_gpu={str(gpu).lower()}", f"scaling.num_workers={world}",
+                             "optim.max_grad_norm=1.0"])
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
     model, tokenizer = _model(layers, gpu, dtype, Path(work), tied, vocab)
     params = sum(p.numel() for p in model.parameters())
     started = time.perf_counter()
-    engine, _ = initialize_engine(model, cfg, 1, 100, on_gpu=gpu)
+    engine, _ = initialize_engine(model, cfg, world, 100, on_gpu=gpu)
     build_s = time.perf_counter() - started
-    device = torch.device("cuda", 0) if gpu else torch.device("cpu")
+    device = torch.device("cuda", rank) if gpu else torch.device("cpu")
     vocab_size = model.config.vocab_size
     _train_step(engine, vocab_size, tokens, device)  # creates the optimizer states
     step_s = min(_train_step(engine, vocab_size, tokens, device) for _ in range(3))
-    state = RunState(step=4, epoch=0, batch_in_epoch=4, world_size=1, tag=step_tag(4), zero_stage=zero_stage)
+    state = RunState(step=4, epoch=0, batch_in_epoch=4, world_size=world, tag=step_tag(4), zero_stage=zero_stage)
     started = time.perf_counter()
-    folder = save_rank_checkpoint(engine, state, 0, tokenizer)
+    folder = save_rank_checkpoint(engine, state, rank, tokenizer)
     save_s = time.perf_counter() - started
     size = sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file())
-    check_s = None
+    check_s = restore_s = None
     try:
         import pyarrow.fs
     except ImportError:  # the GPU image may lack pyarrow (FACTS.md); the other figures still stand
-        pass
-    else:
+        pyarrow = None
+    if pyarrow is not None and world == 1:
         started = time.perf_counter()
         check_checkpoint(pyarrow.fs.LocalFileSystem(), folder)
         check_s = round(time.perf_counter() - started, 4)
-    started = time.perf_counter()
-    restore_rank(engine, folder, 0)
-    if gpu:
-        torch.cuda.synchronize()
-    restore_s = time.perf_counter() - started
+    if world == 1:
+        started = time.perf_counter()
+        restore_rank(engine, folder, 0)
+        if gpu:
+            torch.cuda.synchronize()
+        restore_s = round(time.perf_counter() - started, 3)
     return {"layers": model.config.num_hidden_layers, "model": "tiny" if layers is None else "hunyuan-mt-7b-width",
             "vocab": vocab_size, "params": params, "precision": precision, "zero_stage": zero_stage,
-            "checkpoint_bytes": size, "bytes_per_param": round(size / params, 2), "save_s": round(save_s, 3),
-            "check_s": check_s, "restore_s": round(restore_s, 3), "engine_build_s": round(build_s, 2),
+            "world": world, "checkpoint_bytes": size, "bytes_per_param": round(size / params, 2),
+            "save_s": round(save_s, 3), "check_s": check_s, "restore_s": restore_s, "engine_build_s": round(build_s, 2),
             "step_s": round(step_s, 3), "step_tokens": tokens,
             "device": torch.cuda.get_device_name(0) if gpu else "cpu", "folder": folder, "tag": state.tag}
 
 
-def _spawned(fn, *args):
-    """``fn(*args)`` in a fresh process (spawned: no CUDA or process group inherited), its result."""
+def _spawned(fn, *args, processes: int = 1) -> list:
+    """``fn(i, *args)`` for i in range(``processes``), each in a fresh process at the same time (spawned:
+    no CUDA or process group inherited); their results."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(fn, *args).result()
+    with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(fn, i, *args) for i in range(processes)]
+        return [f.result() for f in futures]
+
+
+def _merge_rank_folders(folders: list[str], tag: str) -> str:
+    """Move every rank's checkpoint files into rank 0's folder, as the run folder holds them."""
+    for folder in folders[1:]:
+        for f in Path(folder).rglob("*"):
+            target = Path(folders[0], f.relative_to(folder))
+            if f.is_file() and not target.exists():
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.move(str(f), target)
+        shutil.rmtree(folder, ignore_errors=True)
+    return folders[0]
 
 
 def measure(layers: int | None, gpu: bool, precision: str, zero_stage: int, tokens: int, tied: bool,
-            universal_dir: str | None = None, vocab: int | None = None) -> dict:
-    """Figures for one model: bytes, parameters and the seconds of each checkpoint operation.
-    ``universal_dir``: where the conversion writes (default: beside the checkpoint, in the temp folder).
+            universal_dir: str | None = None, vocab: int | None = None, world: int = 1) -> dict:
+    """Figures for one model saved by ``world`` ranks: bytes, parameters and the seconds of each
+    checkpoint operation (rank 0's). ``universal_dir``: where the conversion writes (default: beside the
+    checkpoint, in the temp folder).
 
     The engine and the conversion run in processes of their own, one after the other: the conversion
     gets the memory the engine held (on a CPU machine both would not fit) and its peak is its own."""
     work = Path(tempfile.mkdtemp(prefix="hymt-bench-ckpt-"))
     try:
-        row = _spawned(_checkpoint_figures, layers, gpu, precision, zero_stage, tokens, tied, vocab, str(work))
-        folder, tag = row.pop("folder"), row.pop("tag")
+        ranks = _spawned(_checkpoint_figures, world, _free_port(), layers, gpu, precision, zero_stage, tokens, tied,
+                         vocab, str(work), processes=world)
+        row, tag = ranks[0], ranks[0].pop("tag")
+        folder = _merge_rank_folders([r.pop("folder") for r in ranks], tag)
+        row["checkpoint_bytes"] = sum(r["checkpoint_bytes"] for r in ranks)
+        row["bytes_per_param"] = round(row["checkpoint_bytes"] / row["params"], 2)
         try:
             universal_s, universal_gib = _universal_conversion(folder, tag, Path(universal_dir or work) / "universal")
         finally:
@@ -177,7 +203,7 @@ def measure(layers: int | None, gpu: bool, precision: str, zero_stage: int, toke
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _convert(folder: str, tag: str, out: Path) -> tuple[float, float]:
+def _convert(_, folder: str, tag: str, out: Path) -> tuple[float, float]:
     """``reshard.convert_to_universal`` with one extracting worker: its seconds, and the peak resident
     memory (GiB) of this process and of the workers it started."""
     import resource
@@ -200,7 +226,7 @@ def _universal_conversion(folder: str, tag: str, out: Path) -> tuple[float, floa
         raise RuntimeError(f"the universal conversion needs about {need / 2**30:.1f} GiB free in {out.parent}, "
                            f"which has {free / 2**30:.1f} GiB: give --universal-dir on another filesystem")
     try:
-        return _spawned(_convert, folder, tag, out)
+        return _spawned(_convert, folder, tag, out)[0]
     finally:
         shutil.rmtree(out, ignore_errors=True)
 
@@ -213,6 +239,8 @@ def extrapolate(rows: list[dict], target: int, target_params: int) -> dict:
     # The conversion's peak memory too: its extraction loads one rank's whole optimizer file (fp32
     # weights and both Adam moments of that rank's share), which grows with the parameters.
     for key in ("checkpoint_bytes", "save_s", "restore_s", "universal_s", "universal_peak_rss_gib"):
+        if a[key] is None or b[key] is None:  # restore_s: only measured on one rank
+            continue
         slope = (b[key] - a[key]) / (b["params"] - a["params"])
         out[key] = round(a[key] + slope * (target_params - a["params"]), 3)
     return out
@@ -230,6 +258,8 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", type=int, default=None,
                    help="a smaller vocabulary for the measured models (the fit still targets the full one)")
     p.add_argument("--zero-stage", type=int, default=2)
+    p.add_argument("--world", type=int, default=1,
+                   help="ranks that train and save the checkpoint (processes on this machine; GPUs with --gpu)")
     p.add_argument("--tokens", type=int, default=None, help="tokens in the timed step (default 4096 GPU, 256 CPU)")
     p.add_argument("--out", default=None, help="also write the JSON lines to this file")
     p.add_argument("--universal-dir", default=None,
@@ -241,7 +271,8 @@ def main(argv=None) -> int:
     rows = []
     for n in args.layers or [None]:
         try:
-            rows.append(measure(n, args.gpu, precision, args.zero_stage, tokens, args.tied, args.universal_dir, args.vocab))
+            rows.append(measure(n, args.gpu, precision, args.zero_stage, tokens, args.tied, args.universal_dir, args.vocab,
+                                args.world))
         except Exception as e:  # noqa: BLE001 - one depth that cannot run (memory, disk) must not lose the others
             rows.append({"layers": n, "error": f"{type(e).__name__}: {e}"})
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)  # kept if a later, larger depth gets killed
