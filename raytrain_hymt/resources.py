@@ -118,7 +118,10 @@ def check_state_api() -> None:
     from ray.util.state.exception import RayStateApiException
 
     try:
-        nodes = list_nodes(limit=10_000, timeout=10, raise_on_missing_output=False)
+        # This cluster's address: left to find one itself, the State API client refuses to choose when
+        # several Ray instances run on the machine.
+        nodes = list_nodes(address=ray.get_runtime_context().gcs_address, limit=10_000, timeout=10,
+                           raise_on_missing_output=False)
     except RayStateApiException as e:
         reason = type(e).__name__
     else:
