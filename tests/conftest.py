@@ -37,7 +37,7 @@ def ray_session():
     quiet_ray()
     # 2 training workers + tokenizer actors + a second concurrent job need more logical CPUs than 2 cores.
     # The dashboard as session.init_ray starts it: Ray Train frees a stopped trial's workers through the
-    # State API it serves (tests/test_tune.py checks that nothing stays reserved).
+    # State API it serves.
     ray.init(address="local", num_cpus=8, include_dashboard=True, log_to_driver=True)
     yield ray
     ray.shutdown()
