@@ -14,12 +14,13 @@ from __future__ import annotations
 import json
 import os
 import resource
-import socket
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+from benchmarks.ports import free_port
 
 
 def save_model_folder(folder: Path, layers: int | None, gpu: bool) -> int:
@@ -124,12 +125,6 @@ def _rank(rank: int, world: int, port: int, folder: str, partitioned: bool, gpu:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure(layers: int | None, world: int, gpu: bool, workdir: str | None = None) -> list[dict]:
     """One row per rank and way of loading: peak host memory (GiB) after loading and after the engine."""
     import torch.multiprocessing as mp
@@ -141,7 +136,7 @@ def measure(layers: int | None, world: int, gpu: bool, workdir: str | None = Non
         for partitioned in (False, True):
             out = Path(tmp) / f"rows-{partitioned}.jsonl"
             # A fresh process per rank and mode: peak RSS is per process, so nothing carries over.
-            mp.start_processes(_rank, args=(world, _free_port(), str(folder), partitioned, gpu, str(out)),
+            mp.start_processes(_rank, args=(world, free_port(), str(folder), partitioned, gpu, str(out)),
                                nprocs=world, join=True, start_method="spawn")
             rows += [dict(json.loads(line), params=params, layers=layers) for line in out.read_text().splitlines()]
         return rows

@@ -11,7 +11,7 @@ worker count (ZeRO splits the same optimizer states over more files).
     python jobs/bench_checkpoint.py                          # the tiny model on CPU (fp32, ZeRO-2)
     python jobs/bench_checkpoint.py --gpu --layers 2 4       # Hunyuan-MT-7B width at 2 and 4 layers, bf16,
                                                              # then a straight-line fit to the 32-layer model
-    python jobs/bench_checkpoint.py --layers 1 3 --vocab 16384   # the same width on a CPU machine that
+    python jobs/bench_checkpoint.py --layers 1 2 --vocab 16384   # the same width on a CPU machine that
                                                              # cannot hold the 128k vocabulary's embeddings
 
 The fit is a straight line in the parameter count through the measured models, evaluated at the full
@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -37,11 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from benchmarks.ports import free_port  # noqa: E402
 
 
 def _init_process_group(gpu: bool, rank: int, world: int, port: int) -> None:
@@ -166,7 +161,7 @@ def _spawned(fn, *args, processes: int = 1) -> list:
         return [f.result() for f in futures]
 
 
-def _merge_rank_folders(folders: list[str], tag: str) -> str:
+def _merge_rank_folders(folders: list[str]) -> str:
     """Move every rank's checkpoint files into rank 0's folder, as the run folder holds them."""
     for folder in folders[1:]:
         for f in Path(folder).rglob("*"):
@@ -188,10 +183,10 @@ def measure(layers: int | None, gpu: bool, precision: str, zero_stage: int, toke
     gets the memory the engine held (on a CPU machine both would not fit) and its peak is its own."""
     work = Path(tempfile.mkdtemp(prefix="hymt-bench-ckpt-"))
     try:
-        ranks = _spawned(_checkpoint_figures, world, _free_port(), layers, gpu, precision, zero_stage, tokens, tied,
+        ranks = _spawned(_checkpoint_figures, world, free_port(), layers, gpu, precision, zero_stage, tokens, tied,
                          vocab, str(work), processes=world)
         row, tag = ranks[0], ranks[0].pop("tag")
-        folder = _merge_rank_folders([r.pop("folder") for r in ranks], tag)
+        folder = _merge_rank_folders([r.pop("folder") for r in ranks])
         row["checkpoint_bytes"] = sum(r["checkpoint_bytes"] for r in ranks)
         row["bytes_per_param"] = round(row["checkpoint_bytes"] / row["params"], 2)
         try:

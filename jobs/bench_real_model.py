@@ -18,7 +18,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,17 +27,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from benchmarks.ports import free_port  # noqa: E402
 
 
 @contextlib.contextmanager
 def _own_ray(num_gpus: int, num_cpus: int):
     temp = tempfile.mkdtemp(prefix="hymt-ray-", dir="/tmp")
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--node-ip-address=127.0.0.1",
          f"--port={port}", f"--num-gpus={num_gpus}", f"--num-cpus={num_cpus}", f"--temp-dir={temp}",
