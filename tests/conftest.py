@@ -33,12 +33,13 @@ def ray_session():
     import ray
 
     from raytrain_hymt.quiet import quiet_ray
+    from raytrain_hymt.session import start_local_ray
 
     quiet_ray()
     # 2 training workers + tokenizer actors + a second concurrent job need more logical CPUs than 2 cores.
-    # The dashboard as session.init_ray starts it: Ray Train frees a stopped trial's workers through the
-    # State API it serves.
-    ray.init(address="local", num_cpus=8, include_dashboard=True, log_to_driver=True)
+    # A local Ray as session.init_ray starts it: the dashboard, whose State API Ray Train's cleaner asks
+    # to free a stopped trial's workers, and every process pointed at it.
+    start_local_ray(8, log_to_driver=True)
     yield ray
     ray.shutdown()
 

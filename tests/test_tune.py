@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -17,6 +19,7 @@ import pytest
 import yaml
 
 from conftest import tiny_overrides
+from mlflow_server import free_port
 from raytrain_hymt.config import load_config
 from raytrain_hymt.errors import ConfigError
 from raytrain_hymt.tune import BEST_PRESET, STOPPED_EARLY_TAG, run_search
@@ -134,6 +137,7 @@ def search(ray_session, tmp_path_factory):
         "tune.grace_period_steps": 2, "tune.max_concurrent_trials": 1,  # one at a time: ASHA's order is fixed
         "tune.lr_grid": str(SEARCH_LRS),
     })
+    reserved_before = _reserved_placement_groups(ray_session)
     started = time.monotonic()
     # First attempt: interrupted once the second trial started (one at a time: the first has finished).
     watcher = _interrupt_when(storage / "lr-search", "trial-*/run.json", 2)
@@ -142,7 +146,22 @@ def search(ray_session, tmp_path_factory):
     # Second attempt: the same command continues the search.
     second = run_search(load_config("tune-tiny-cpu", overrides))
     print(f"search: interrupted + continued in {time.monotonic() - started:.0f} s")
-    return storage, first, second
+    # Ray Train's cleaner frees a stopped trial's workers a few seconds after its controller died.
+    deadline = time.monotonic() + 60
+    while (left := _reserved_placement_groups(ray_session) - reserved_before) and time.monotonic() < deadline:
+        time.sleep(1)
+    return storage, first, second, left
+
+
+def _reserved_placement_groups(ray) -> set[str]:
+    return {pg_id for pg_id, pg in ray.util.placement_group_table().items() if pg["state"] == "CREATED"}
+
+
+def test_trials_stopped_or_interrupted_leave_no_resources_reserved(search):
+    """Every trial ASHA stopped, and the one the interruption killed, gave its workers' placement group
+    back: left reserved, they starved the next trials (a 4-CPU search hung at its fourth trial)."""
+    *_, left = search
+    assert not left, f"{len(left)} placement groups of finished trials still reserved"
 
 
 def test_a_cluster_without_the_state_api_is_refused_and_a_local_ray_has_it(tmp_path):
@@ -174,8 +193,52 @@ print("LOCAL RAY: ok")
     assert "Start the cluster with the dashboard" in out.stdout and out.stdout.rstrip().endswith("LOCAL RAY: ok")
 
 
+def test_a_stale_ray_address_file_does_not_mislead_ray_trains_cleaner():
+    """A machine where a `ray start` cluster died without `ray stop` keeps its address in
+    ``<tmp>/ray/ray_current_cluster``. Ray Train's placement-group cleaner asks the State API without an
+    address, so Ray would take that one (40 s GCS timeouts: each fit waited 12 s at its end and stopped
+    trials kept their workers). In the local Ray the product starts, the cleaner's question, asked from a
+    worker as the cleaner asks it, is answered by that cluster's own dashboard. A subprocess with its own
+    temp dir stands in for such a machine."""
+    temp = tempfile.mkdtemp(prefix="hymt-stale-", dir="/tmp")  # short: Ray's socket paths have a length limit
+    Path(temp, "ray").mkdir()
+    Path(temp, "ray", "ray_current_cluster").write_text(f"127.0.0.1:{free_port()}")  # nothing listens there
+    script = """
+import os, time, ray
+from raytrain_hymt.config import load_config
+from raytrain_hymt.session import init_ray
+init_ray(load_config(None, []))
+print("DRIVER ENV:", os.environ.get("RAY_API_SERVER_ADDRESS"))
+
+@ray.remote(num_cpus=0)
+def ask_like_the_cleaner(actor_id):
+    from ray.train.v2._internal.state.util import is_actor_alive
+    started = time.monotonic()
+    return is_actor_alive(actor_id=actor_id, timeout=10), time.monotonic() - started
+
+@ray.remote(num_cpus=0)
+class Controller:
+    pass
+
+controller = Controller.remote()
+ray.get(controller.__ray_ready__.remote())
+alive, seconds = ray.get(ask_like_the_cleaner.remote(controller._actor_id.hex()))
+print("ALIVE:", alive, "IN", round(seconds, 1))
+"""
+    env = dict(os.environ, RAY_TMPDIR=temp)
+    env.pop("RAY_ADDRESS", None)
+    try:
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "DRIVER ENV: None" in out.stdout, out.stdout  # the driver's own environment is left as it was
+    alive, seconds = out.stdout.split("ALIVE: ")[1].split(" IN ")
+    assert alive == "True" and float(seconds) < 5, out.stdout
+
+
 def test_interrupted_search_continues(search):
-    _, first, second = search
+    _, first, second, _ = search
     # One at a time: the first trial had finished, the second was running (Tune had not made the rest).
     assert not first.finished
     assert [r.status for r in first.rows] == ["done", "unfinished"]
@@ -191,7 +254,7 @@ def test_interrupted_search_continues(search):
 
 
 def test_asha_stops_the_hopeless_trial_and_the_best_lr_wins(search):
-    _, _, result = search
+    _, _, result, _ = search
     rows = {r.params["optim.lr"]: r for r in result.rows}
     assert sorted(rows) == sorted(SEARCH_LRS)
     hopeless = rows[1e-6]
@@ -213,7 +276,7 @@ def test_asha_stops_the_hopeless_trial_and_the_best_lr_wins(search):
 
 
 def test_best_preset_trains_with_the_best_lr(search):
-    _, _, result = search
+    _, _, result, _ = search
     cfg = load_config(result.best_preset)
     assert cfg.optim.lr == result.best.params["optim.lr"]
     assert cfg.optim.max_steps == 8 and cfg.tune is None
@@ -223,7 +286,7 @@ def test_best_preset_trains_with_the_best_lr(search):
 def test_mlflow_parent_has_one_child_per_trial(search):
     from mlflow import MlflowClient
 
-    storage, _, result = search
+    storage, _, result, _ = search
     assert result.tracking_uri == f"sqlite:///{storage}/mlflow.db"
     client = MlflowClient(result.tracking_uri)
     parent = client.get_run(result.mlflow_run_id)
