@@ -113,6 +113,10 @@ def initialize_engine(model, cfg: Config, world_size: int, total_steps: int, on_
     import deepspeed
     import torch
 
+    from raytrain_hymt.ds_ops import use_this_environments_ninja
+
+    use_this_environments_ninja()  # DeepSpeed builds or loads its ops in initialize
+
     ds_config = build_ds_config(cfg, world_size, on_gpu)
     opt = cfg.optim
 
