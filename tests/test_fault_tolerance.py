@@ -26,6 +26,10 @@ from raytrain_hymt.trainer import run_training
 HERE = Path(__file__).resolve().parent
 #: The two-node run loses its second node once rank 0 has recorded this step.
 KILL_AFTER_STEP = 5
+#: 3 CPUs per worker (one worker per node) and the reference's torch threads per worker (1): Ray would give
+#: each worker OMP_NUM_THREADS=3, torch 2 threads here, whose sums round differently from 1 thread's on
+#: some CPUs (an Intel Xeon: 3.5e-5 off the reference's weight sum at step 4).
+THREE_CPUS_ONE_THREAD = ("scaling.cpus_per_worker=3", "scaling.env.OMP_NUM_THREADS=1")
 
 
 def test_older_checkpoints_newest_first_across_generations(tmp_path):
@@ -263,7 +267,7 @@ def test_worker_node_lost_on_two_node_cluster(reference, two_node_cluster, tmp_p
     record, cluster = tmp_path / "record", two_node_cluster
     storage = f"file://{tmp_path / 'runs'}"
     proc = _drive(cluster, tmp_path, "twonode", "checkpoint.async_upload=True", "run.export=True",
-                  "checkpoint.max_failures=2", "scaling.cpus_per_worker=3")
+                  "checkpoint.max_failures=2", *THREE_CPUS_ONE_THREAD)
     _wait_until(proc, tmp_path, lambda: _last_step(record, 0) >= KILL_AFTER_STEP, f"step {KILL_AFTER_STEP}")
     outcome = {"nodes_before": sorted({r["node"] for rank in (0, 1) for r in read_records(record, rank)}),
                "worker_node": cluster.node_id[0]}
@@ -311,7 +315,7 @@ def test_elastic_run_goes_on_with_the_workers_left_and_grows_back(reference, two
     record, cluster = tmp_path / "record", two_node_cluster
     stalled = tmp_path / "stalled"
     proc = _drive(cluster, tmp_path, "elastic", "scaling.min_workers=1", "scaling.num_workers=2",
-                  "optim.global_batch_rows=4", "scaling.cpus_per_worker=3", "checkpoint.max_failures=1",
+                  "optim.global_batch_rows=4", *THREE_CPUS_ONE_THREAD, "checkpoint.max_failures=1",
                   "scaling.elastic_resize_monitor_interval_s=1",
                   faults=({"kind": "stall", "rank": 0, "step": STALL_STEP, "seconds": 240, "once": str(stalled)},),
                   # Until the lost node is declared dead Ray still counts it and waits for 2 workers' room
