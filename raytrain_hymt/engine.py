@@ -115,7 +115,7 @@ def initialize_engine(model, cfg: Config, world_size: int, total_steps: int, on_
 
     from raytrain_hymt.ds_ops import use_this_environments_ninja
 
-    use_this_environments_ninja()  # DeepSpeed builds or loads its ops in initialize
+    use_this_environments_ninja()  # DeepSpeed builds or loads its ops in initialize, nowhere earlier
 
     ds_config = build_ds_config(cfg, world_size, on_gpu)
     opt = cfg.optim

@@ -16,7 +16,6 @@ from pathlib import Path
 import torch
 
 from raytrain_hymt.config import Config
-from raytrain_hymt.ds_ops import use_this_environments_ninja
 from raytrain_hymt.errors import NonFiniteError
 from raytrain_hymt.ranks import all_reduce_sum, micro_slice, rank_slice, step_loss, steps_per_epoch
 
@@ -48,7 +47,6 @@ class LoopInputs:
 
 
 def _setup_environment(use_gpu: bool) -> torch.device:
-    use_this_environments_ninja()  # before DeepSpeed builds or loads an op
     if not use_gpu:
         # Must precede the first `import deepspeed`: it picks its accelerator once, at import.
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
