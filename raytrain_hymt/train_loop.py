@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from raytrain_hymt.ranks import rank_example_ids
+from raytrain_hymt.ranks import all_reduce_sum, rank_example_ids
 from raytrain_hymt.worker import LoopInputs, Worker
 
 log = logging.getLogger("raytrain_hymt")
@@ -174,6 +174,11 @@ class StepHandler:
                          checkpoint=ray.train.Checkpoint.from_directory(folder),
                          checkpoint_dir_name=checkpoint_dir_name(at.step, at.generation),
                          checkpoint_upload_mode=upload, delete_local_checkpoint_after_upload=True)
+        # Ray Train keeps a checkpoint only once it has every rank's report, and a rank's error reaches
+        # its controller at once: a rank that failed in the next step while another still wrote its part
+        # lost the whole checkpoint (seen in CI: a resume from step 0 instead of 6). No rank goes on until
+        # every rank has handed its report over.
+        all_reduce_sum([0.0], w.device)
 
 
 def console_line(metrics: dict, step: int, total: int) -> str:
