@@ -13,12 +13,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 LOAD = """
-import sys, time
+import sys
 sys.path.insert(0, "scripts")
 from build_ds_ops import build_cpu_ops
-started = time.monotonic()
 build_cpu_ops(("ShareMemCommBuilder",))
-print("SECONDS", time.monotonic() - started)
 """
 
 
@@ -45,5 +43,6 @@ def test_processes_started_with_either_ninja_first_load_the_built_op_without_com
         out = subprocess.run([sys.executable, "-c", LOAD], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
         assert out.returncode == 0, out.stderr[-2000:]
         compiled_at.append(built.stat().st_mtime_ns)
+    # The built library is rewritten by every compile (a recompile took 88 s here; a load takes seconds,
+    # more on a busy machine, so the time itself is no test).
     assert compiled_at[1:] == compiled_at[:1] * 2, "the op was compiled again"
-    assert float(out.stdout.split("SECONDS")[1]) < 5, out.stdout
