@@ -356,7 +356,7 @@ def _slug(text: str) -> str:
 def _run_ray(cfg, train, val, loop_inputs: dict) -> None:
     from raytrain_hymt.trainer import build_trainer
 
-    build_trainer(cfg, train, val, loop_inputs, loop=bench_loop).fit()
+    build_trainer(cfg, train, val, loop_inputs, loop=bench_loop, train_shard=True).fit()
 
 
 def _run_torchrun(cfg, train, loop_inputs: dict, workdir: Path, global_rows: int, count: int) -> None:

@@ -189,13 +189,14 @@ def ctrl_c_before_fit(e: BaseException, cfg: Config):
     return None
 
 
-def build_trainer(cfg: Config, train, val, loop_inputs: dict, callbacks=(), loop=None):
-    """The TorchTrainer of a run; ``loop``: the per-worker function (default :func:`~raytrain_hymt.train_loop.train_loop`)."""
+def build_trainer(cfg: Config, train, val, loop_inputs: dict, callbacks=(), loop=None, train_shard: bool = False):
+    """The TorchTrainer of a run; ``loop``: the per-worker function (default :func:`~raytrain_hymt.train_loop.train_loop`);
+    ``train_shard``: the loop reads ``ray.train.get_dataset_shard("train")`` (the benchmark's loop does)."""
     import ray.train
     from ray.data import ExecutionOptions
     from ray.train.torch import TorchTrainer
 
-    from raytrain_hymt.data.blocks import train_blocks
+    from raytrain_hymt.data.blocks import train_blocks, val_blocks
     from raytrain_hymt.faults import FORWARDED_ENV
     from raytrain_hymt.train_loop import train_loop
 
@@ -207,16 +208,16 @@ def build_trainer(cfg: Config, train, val, loop_inputs: dict, callbacks=(), loop
         env["HYMT_VERBOSE"] = "1"
     env.update({k: os.environ[k] for k in FORWARDED_ENV if os.environ.get(k)})  # tests' fault injection
     env.update(cfg.scaling.env)
-    ordered = ExecutionOptions(preserve_order=True)
+    shard = {"datasets": {"train": train}, "dataset_config": ray.train.DataConfig(
+        datasets_to_split=[], execution_options={"train": ExecutionOptions(preserve_order=True)})} if train_shard else {}
     return TorchTrainer(
         loop or train_loop,
-        # The blocks' object refs travel inside the config (Ray Train puts it in the object store whole).
-        train_loop_config={**loop_inputs, "train_blocks": train_blocks(cfg, train)},
+        # The workers read the rows themselves (data.blocks): each rank its own training rows, every rank
+        # all validation rows. The blocks' object refs travel inside the config (Ray Train puts it in the
+        # object store whole).
+        train_loop_config={**loop_inputs, "train_blocks": train_blocks(cfg, train), "val_blocks": val_blocks(cfg, val)},
         scaling_config=scaling_config(cfg),
-        # train_loop fetches each rank's training rows itself (train_blocks); the benchmark's loop reads
-        # the "train" shard. Every worker reads the whole validation stream and takes its slice.
-        datasets={"train": train, "val": val},
-        dataset_config=ray.train.DataConfig(datasets_to_split=[], execution_options={"train": ordered, "val": ordered}),
+        **shard,
         run_config=ray.train.RunConfig(
             name=cfg.run.name,
             storage_path=cfg.run.storage_path,

@@ -44,6 +44,8 @@ class LoopInputs:
     """The job's MLflow key (``run.json``): rank 0 finds or creates the run by it while its id is unknown."""
     train_blocks: object = None
     """Where the training rows are (``data.blocks.train_blocks``): each rank fetches its own rows from there."""
+    val_blocks: object = None
+    """Where the validation rows are (``data.blocks.val_blocks``): every rank reads them all; None: no validation."""
 
 
 def _setup_environment(use_gpu: bool) -> torch.device:
@@ -271,17 +273,18 @@ class Worker:
 
     @torch.no_grad()
     def validate(self) -> float | None:
-        """Mean token loss over the whole validation set (every rank evaluates its slice); None when the
-        validation set is empty (``data.val_fraction: 0``), so no one mistakes 0 for a perfect model."""
-        import ray.train
-
+        """Mean token loss over the whole validation set (every rank evaluates its slice of each batch of
+        ``world × micro-batch`` rows); None when there are no validation rows (``data.val_fraction: 0``),
+        so no one mistakes 0 for a perfect model."""
+        from raytrain_hymt.data.blocks import RowFetcher
         from raytrain_hymt.data.packing import token_loss_sum
 
-        shard = ray.train.get_dataset_shard("val")
+        if self.inputs.val_blocks is None:
+            return None
         self.engine.eval()
         b = self.cfg.optim.micro_batch_size
         loss, tokens = 0.0, 0.0
-        for batch in shard.iter_batches(batch_size=self.world * b, batch_format="numpy"):
+        for batch in RowFetcher(self.inputs.val_blocks).batches(self.world * b):
             rows = rank_slice(batch, 0, self.rank, self.world, b)
             # Under ZeRO-3 a forward is collective: a rank without rows still runs one (on row 0, ignored).
             use = rows if len(rows["input_ids"]) else {k: v[:1] for k, v in batch.items()}

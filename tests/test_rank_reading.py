@@ -108,6 +108,25 @@ def test_blocks_are_one_lane_of_a_window():
     assert block_rows(small, DataStats(train_tokens=1000, train_examples=2000)) == 12  # a window of 96
 
 
+def test_validation_batches_cross_blocks_and_read_each_block_once(tmp_path):
+    """Validation reads every row through ``RowFetcher.batches``: batches of ``world × micro`` rows across
+    row-group edges, as ``iter_batches`` gave them, each row group read once; no rows, no batches."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from raytrain_hymt.data.blocks import ParquetBlocks, RowFetcher
+
+    path = tmp_path / "val.parquet"
+    with pq.ParquetWriter(path, pa.schema([("example_ids", pa.int64())])) as writer:
+        for start, stop in ((0, 3), (3, 10), (10, 11)):  # row groups of 3, 7 and 1 rows
+            writer.write_table(pa.table({"example_ids": np.arange(start, stop)}))
+    fetch = RowFetcher(ParquetBlocks([str(path)], [(0, 0), (0, 1), (0, 2)], [3, 7, 1]))
+    got = [b["example_ids"].tolist() for b in fetch.batches(4)]
+    assert got == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10]]
+    assert fetch.counts()["blocks_fetched"] == 3 and fetch.counts()["rows_fetched"] == 11
+    assert list(RowFetcher(ParquetBlocks([], [], [])).batches(4)) == []  # data.val_fraction 0
+
+
 def test_a_checkpoint_of_the_order_before_lanes_does_not_resume_silently():
     from raytrain_hymt.data.fingerprint import compare_fingerprints, data_fingerprint
 

@@ -8,6 +8,10 @@ when they are made, so a rank's stretch of a window covers whole blocks. On a wo
 :class:`RowFetcher` turns stream row ranges (:mod:`raytrain_hymt.data.epochs`) into rows: it gets
 (``ray.get``) or reads (``read_row_group``) only the blocks that overlap the ranges, and counts what it
 fetched there, at the fetch itself.
+
+The validation rows are described the same way (:func:`val_blocks`) and every rank reads them all
+through a :class:`RowFetcher`: a validation runs no Ray Data execution in the training processes, and the
+TorchTrainer gets no datasets (no dataset manager actor per fit).
 """
 
 from __future__ import annotations
@@ -59,15 +63,24 @@ class ParquetBlocks:
 def train_blocks(cfg: Config, train) -> ObjectStoreBlocks | ParquetBlocks:
     """Where the training rows are: the prepared dataset's row groups (``data.prepared_path``), else
     the blocks of ``train``, a materialized dataset (:func:`~raytrain_hymt.data.pipeline.build_datasets`)."""
-    if cfg.data.prepared_path:
-        from raytrain_hymt.data.prepared import train_row_groups
+    return _blocks(cfg, train, "train")
 
-        return ParquetBlocks(*train_row_groups(cfg.data.prepared_path))
+
+def val_blocks(cfg: Config, val) -> ObjectStoreBlocks | ParquetBlocks:
+    """Where the validation rows are, as :func:`train_blocks` says it for the training rows."""
+    return _blocks(cfg, val, "val")
+
+
+def _blocks(cfg: Config, dataset, split: str) -> ObjectStoreBlocks | ParquetBlocks:
+    if cfg.data.prepared_path:
+        from raytrain_hymt.data.prepared import row_groups
+
+        return ParquetBlocks(*row_groups(cfg.data.prepared_path, split))
     # iter_internal_ref_bundles of a materialized dataset hands out its blocks as they are, in order
     # (the pipeline keeps the order: preserve_order), without running anything again.
     import ray
 
-    entries = [e for bundle in train.iter_internal_ref_bundles() for e in bundle.blocks]
+    entries = [e for bundle in dataset.iter_internal_ref_bundles() for e in bundle.blocks]
     # Copied into the driver's node (ray.put): a block lives on the node whose task made it, and a node
     # that dies takes it along; a restarted rank then waited in ray.get for a rebuild that never came
     # (the two-node node-loss test hung there). The driver's node lives as long as the run.
@@ -82,7 +95,7 @@ class RowFetcher:
 
     def __init__(self, blocks: ObjectStoreBlocks | ParquetBlocks):
         self.blocks = blocks
-        self.starts = np.concatenate([[0], np.cumsum(blocks.rows)]).tolist()
+        self.starts = np.concatenate([[0], np.cumsum(blocks.rows, dtype=np.int64)]).tolist()  # ints, also for none
         self.rows_fetched = self.blocks_fetched = self.bytes_fetched = 0
 
     @property
@@ -98,21 +111,49 @@ class RowFetcher:
         """The rows of ``ranges`` (stream rows ``[start, stop)``), concatenated in order, as numpy columns
         (the batches ``iter_batches(batch_format="numpy")`` gives)."""
         import pyarrow as pa
-        from ray.data.block import BlockAccessor
 
         held: dict[int, pa.Table] = {}
         pieces = []
         for start, stop in ranges:
             if not 0 <= start <= stop <= self.total_rows:
-                raise IndexError(f"rows [{start}, {stop}) are outside the {self.total_rows} training rows")
+                raise IndexError(f"rows [{start}, {stop}) are outside the {self.total_rows} rows")
             index = bisect.bisect_right(self.starts, start) - 1
             while start < stop:
                 if index not in held:
-                    held[index] = BlockAccessor.for_block(self.blocks.read(index)).to_arrow()
-                    self.rows_fetched += self.blocks.rows[index]
-                    self.blocks_fetched += 1
-                    self.bytes_fetched += held[index].nbytes
+                    held[index] = self._fetch(index)
                 end = min(stop, self.starts[index + 1])
                 pieces.append(held[index].slice(start - self.starts[index], end - start))
                 start, index = end, index + 1
-        return BlockAccessor.for_block(pa.concat_tables(pieces)).to_batch_format("numpy")
+        return _numpy(pieces)
+
+    def batches(self, size: int):
+        """All rows in stream order, as numpy batches of ``size`` rows (the last one may be shorter),
+        each block fetched once (what ``iter_batches(batch_size=size)`` of the whole stream gives)."""
+        pieces, count = [], 0
+        for index in range(len(self.blocks.rows)):
+            table, offset = self._fetch(index), 0
+            while offset < table.num_rows:
+                take = min(size - count, table.num_rows - offset)
+                pieces.append(table.slice(offset, take))
+                count, offset = count + take, offset + take
+                if count == size:
+                    yield _numpy(pieces)
+                    pieces, count = [], 0
+        if count:
+            yield _numpy(pieces)
+
+    def _fetch(self, index: int):
+        from ray.data.block import BlockAccessor
+
+        table = BlockAccessor.for_block(self.blocks.read(index)).to_arrow()
+        self.rows_fetched += self.blocks.rows[index]
+        self.blocks_fetched += 1
+        self.bytes_fetched += table.nbytes
+        return table
+
+
+def _numpy(pieces: list) -> dict[str, np.ndarray]:
+    import pyarrow as pa
+    from ray.data.block import BlockAccessor
+
+    return BlockAccessor.for_block(pa.concat_tables(pieces)).to_batch_format("numpy")

@@ -219,12 +219,12 @@ def read_manifest(path: str) -> dict:
         ) from None
 
 
-def train_row_groups(path: str) -> tuple[list[str], list[tuple[int, int]], list[int]]:
-    """The training row groups of the prepared dataset at ``path``, in row order, from the Parquet
-    footers: ``(files, [(file index, row group)], [rows])``."""
+def row_groups(path: str, split: str) -> tuple[list[str], list[tuple[int, int]], list[int]]:
+    """The row groups of the prepared dataset at ``path``'s ``split`` (``train`` or ``val``), in row order,
+    from the Parquet footers: ``(files, [(file index, row group)], [rows])``."""
     import pyarrow.parquet as pq
 
-    files = [_join(path, f) for f in read_manifest(path)["files"]["train"]]
+    files = [_join(path, f) for f in read_manifest(path)["files"][split]]
     groups, rows = [], []
     for i, name in enumerate(files):
         fs, inner = filesystem(name)
