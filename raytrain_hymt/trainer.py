@@ -208,8 +208,10 @@ def build_trainer(cfg: Config, train, val, loop_inputs: dict, callbacks=(), loop
         env["HYMT_VERBOSE"] = "1"
     env.update({k: os.environ[k] for k in FORWARDED_ENV if os.environ.get(k)})  # tests' fault injection
     env.update(cfg.scaling.env)
-    shard = {"datasets": {"train": train}, "dataset_config": ray.train.DataConfig(
-        datasets_to_split=[], execution_options={"train": ExecutionOptions(preserve_order=True)})} if train_shard else {}
+    shard = {}
+    if train_shard:
+        ordered = ray.train.DataConfig(datasets_to_split=[], execution_options={"train": ExecutionOptions(preserve_order=True)})
+        shard = {"datasets": {"train": train}, "dataset_config": ordered}
     return TorchTrainer(
         loop or train_loop,
         # The workers read the rows themselves (data.blocks): each rank its own training rows, every rank

@@ -45,7 +45,7 @@ class LoopInputs:
     train_blocks: object = None
     """Where the training rows are (``data.blocks.train_blocks``): each rank fetches its own rows from there."""
     val_blocks: object = None
-    """Where the validation rows are (``data.blocks.val_blocks``): every rank reads them all; None: no validation."""
+    """Where the validation rows are (``data.blocks.val_blocks``): every rank reads them all."""
 
 
 def _setup_environment(use_gpu: bool) -> torch.device:
@@ -279,8 +279,6 @@ class Worker:
         from raytrain_hymt.data.blocks import RowFetcher
         from raytrain_hymt.data.packing import token_loss_sum
 
-        if self.inputs.val_blocks is None:
-            return None
         self.engine.eval()
         b = self.cfg.optim.micro_batch_size
         loss, tokens = 0.0, 0.0
