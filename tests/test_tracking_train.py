@@ -88,7 +88,8 @@ def outage_run(ray_session, tmp_path_factory):
     db, port = root / "server" / "mlflow.db", free_port()
     url = f"http://127.0.0.1:{port}"
     overrides = tiny_overrides(root / "runs", **{
-        "run.name": "tracked", "optim.max_steps": STEPS, "optim.micro_batch_size": 4,
+        # The preset's 1024-token rows: the run must outlast a server restart (tiny_overrides packs 256).
+        "run.name": "tracked", "optim.max_steps": STEPS, "optim.micro_batch_size": 4, "data.pack_tokens": 1024,
         "eval.every_steps": 20, "checkpoint.every_steps": 20,
         "tracking.tracking_uri": f"http://alice:{PASSWORD}@127.0.0.1:{port}",
         "tracking.retry_interval_s": 1, "tracking.tensorboard": True, "tracking.log_model": True,
@@ -213,7 +214,9 @@ def test_server_down_at_start_rank0_attaches_when_it_comes_up(ray_session, tmp_p
     db, port = tmp_path / "server" / "mlflow.db", free_port()
     url = f"http://127.0.0.1:{port}"
     cfg = load_config(None, tiny_overrides(tmp_path / "runs", **{
-        "run.name": "late", "optim.max_steps": LATE_STEPS, "optim.micro_batch_size": 4, "eval.every_steps": 12,
+        # The preset's 1024-token rows: training must outlast the server's first start (over a minute).
+        "run.name": "late", "optim.max_steps": LATE_STEPS, "optim.micro_batch_size": 4, "data.pack_tokens": 1024,
+        "eval.every_steps": 12,
         "checkpoint.every_steps": 12, "tracking.tracking_uri": url, "tracking.retry_interval_s": 1,
     }))
     run_dir = Path(cfg.run.storage_path, "late")
