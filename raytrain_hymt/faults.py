@@ -6,7 +6,8 @@ and no code path of a normal run changes:
 ``HYMT_FAULTS``: a JSON list of faults, each ``{"kind": "sigkill" | "raise" | "stall" | "nan", "rank": R,
 "step": K, "once": "/path/marker"}``. ``sigkill``, ``raise`` and ``stall`` fire when rank R is about to
 train step K (the process kills itself with SIGKILL, raises ``InjectedFault``, or sleeps the fault's
-``"seconds"``: a run held there while a test changes the cluster); ``nan`` makes rank R's loss NaN in
+``"seconds"``, or less if the file named by its ``"until"`` appears first: a run held there while a test
+changes the cluster or restarts a server); ``nan`` makes rank R's loss NaN in
 step K. With ``once``, a fault fires only if the marker file does not exist yet and creates it first, so
 the restarted attempt runs through.
 
@@ -66,7 +67,9 @@ def before_step(step: int, rank: int) -> None:
         raise InjectedFault(f"injected failure on rank {rank} at step {step}")
     stall = _due("stall", step, rank)
     if stall:
-        time.sleep(stall["seconds"])
+        deadline, until = time.monotonic() + stall["seconds"], stall.get("until")
+        while time.monotonic() < deadline and not (until and os.path.exists(until)):
+            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
 
 
 @contextlib.contextmanager

@@ -20,6 +20,7 @@ from mlflow_server import free_port, run_mlflow_server
 
 from conftest import tiny_overrides
 from raytrain_hymt.config import load_config
+from raytrain_hymt.faults import FAULTS_ENV
 from raytrain_hymt.trainer import run_training
 from raytrain_hymt.runs import RUN_FILE
 
@@ -29,6 +30,11 @@ PASSWORD = "pw-TRACK-7781"  # in the tracking URI (a config value)
 HF_SECRET = "hf_SECRETtoken4242"  # in the environment
 STEPS, MORE_STEPS = 40, 44
 LATE_STEPS = 24  # a job that starts with the server down
+
+
+def _hold(step: int, until: Path) -> dict:
+    """A fault that holds the run before ``step`` until the file ``until`` exists (10 minutes at most)."""
+    return {"kind": "stall", "rank": 0, "step": step, "seconds": 600, "until": str(until)}
 
 
 def _jsonl_steps(run_dir: Path, key: str) -> list[int]:
@@ -88,8 +94,7 @@ def outage_run(ray_session, tmp_path_factory):
     db, port = root / "server" / "mlflow.db", free_port()
     url = f"http://127.0.0.1:{port}"
     overrides = tiny_overrides(root / "runs", **{
-        # The preset's 1024-token rows: the run must outlast a server restart (tiny_overrides packs 256).
-        "run.name": "tracked", "optim.max_steps": STEPS, "optim.micro_batch_size": 4, "data.pack_tokens": 1024,
+        "run.name": "tracked", "optim.max_steps": STEPS, "optim.micro_batch_size": 4,
         "eval.every_steps": 20, "checkpoint.every_steps": 20,
         "tracking.tracking_uri": f"http://alice:{PASSWORD}@127.0.0.1:{port}",
         "tracking.retry_interval_s": 1, "tracking.tensorboard": True, "tracking.log_model": True,
@@ -97,6 +102,9 @@ def outage_run(ray_session, tmp_path_factory):
     cfg = load_config(None, overrides)
     run_dir = Path(cfg.run.storage_path, "tracked")
     os.environ["HF_TOKEN"] = HF_SECRET
+    # However slow the server's restart on a busy machine, the run waits for it before its last step.
+    back = root / "server-back"
+    os.environ[FAULTS_ENV] = json.dumps([_hold(STEPS, back)])
     outcome: dict = {}
     printed = io.StringIO()
 
@@ -119,8 +127,10 @@ def outage_run(ray_session, tmp_path_factory):
         _wait("3 steps trained during the outage",
               lambda: max(_jsonl_steps(run_dir, "train/loss")) >= stopped_at + 3, thread=thread)
         restarted_at = max(_jsonl_steps(run_dir, "train/loss"))
-        with run_mlflow_server(db, port):  # same port, same database
+        with run_mlflow_server(db, port, startup_timeout_s=300):  # same port, same database
+            back.touch()
             thread.join(timeout=900)
+            os.environ.pop(FAULTS_ENV)
             capture.close()
             assert "error" not in outcome, outcome.get("error")
             assert restarted_at < STEPS, "training ended during the outage: make the run longer"
@@ -128,6 +138,7 @@ def outage_run(ray_session, tmp_path_factory):
     finally:
         capture.close()
         os.environ.pop("HF_TOKEN", None)
+        os.environ.pop(FAULTS_ENV, None)
 
 
 def test_outage_loses_nothing_and_warns_once(outage_run):
@@ -208,26 +219,28 @@ def test_resubmitted_job_continues_the_same_run(outage_run):
     assert [m.step for m in client.get_metric_history(run.info.run_id, "data.rows_read")] == [0]
 
 
-def test_server_down_at_start_rank0_attaches_when_it_comes_up(ray_session, tmp_path):
+def test_server_down_at_start_rank0_attaches_when_it_comes_up(ray_session, tmp_path, monkeypatch):
     """The server is not there when the job starts: rank 0 still writes metrics.jsonl, creates the job's run (found
     by the key in run.json) once the server answers, and sends what it queued; the driver then joins that run."""
     db, port = tmp_path / "server" / "mlflow.db", free_port()
     url = f"http://127.0.0.1:{port}"
     cfg = load_config(None, tiny_overrides(tmp_path / "runs", **{
-        # The preset's 1024-token rows: training must outlast the server's first start (over a minute).
-        "run.name": "late", "optim.max_steps": LATE_STEPS, "optim.micro_batch_size": 4, "data.pack_tokens": 1024,
-        "eval.every_steps": 12,
+        "run.name": "late", "optim.max_steps": LATE_STEPS, "optim.micro_batch_size": 4, "eval.every_steps": 12,
         "checkpoint.every_steps": 12, "tracking.tracking_uri": url, "tracking.retry_interval_s": 1,
     }))
     run_dir = Path(cfg.run.storage_path, "late")
+    # The server's first start on a busy machine takes over a minute: the run waits for it before its last step.
+    up = tmp_path / "server-up"
+    monkeypatch.setenv(FAULTS_ENV, json.dumps([_hold(LATE_STEPS, up)]))
     outcome: dict = {}
     thread = threading.Thread(target=lambda: outcome.update(summary=run_training(cfg)), daemon=True)
     thread.start()
     # Rank 0 writes its local copy while nothing answers.
     _wait("3 steps in metrics.jsonl with the server down", lambda: (run_dir / "metrics.jsonl").exists()
           and len(_jsonl_steps(run_dir, "train/loss")) >= 3, thread=thread)
-    with run_mlflow_server(db, port, startup_timeout_s=300):  # a first start on a busy machine: over a minute
+    with run_mlflow_server(db, port, startup_timeout_s=300):
         up_at = max(_jsonl_steps(run_dir, "train/loss"))
+        up.touch()
         thread.join(timeout=900)
         assert "summary" in outcome, "training failed (see its log above)"
         assert up_at < LATE_STEPS, "training ended before the server came up: make the run longer"
