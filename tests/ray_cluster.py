@@ -74,6 +74,9 @@ class LoopbackCluster:
         self.env.pop("RAY_ADDRESS", None)
         self.address = f"127.0.0.1:{ports['port']}"
         self.url = f"http://127.0.0.1:{ports['dashboard-port']}"
+        # Its processes ask its own State API, as jobs/slurm/train.sbatch's head does: the test session's
+        # Ray runs on this machine too, and Ray Train's placement-group cleaner, left to find one, stops.
+        self.env["RAY_API_SERVER_ADDRESS"] = self.url
         self.worker_cpus = worker_nodes
         self.head = _start_node(["--head", "--dashboard-host=127.0.0.1", f"--num-cpus={num_cpus}",
                                  *(f"--{k}={v}" for k, v in ports.items())], self.env)
