@@ -20,6 +20,8 @@ from pathlib import Path
 from mlflow_server import _stop_group, free_port
 
 BIN = Path(sys.executable).parent
+#: What Ray Train's placement-group cleaner writes when its watch ends early (it could not reach the State API).
+CLEANER_DIED = "Exception in thread PlacementGroupCleanerMonitor"
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from fault_tolerance_common import NAN_FAULT, NAN_STEP, STEPS, attempts, effective, overrides, read_records
+from ray_cluster import CLEANER_DIED
 from raytrain_hymt.cli import main
 from raytrain_hymt.config import load_config
 from raytrain_hymt.trainer import run_training
@@ -258,7 +259,7 @@ def _finish(proc: subprocess.Popen, tmp_path: Path, timeout_s: float = 400) -> d
     log = (tmp_path / "driver.log").read_text()
     assert proc.returncode == 0, log[-3000:]
     # Ray Train's placement-group cleaner watched the run (its actors' output reaches the driver's log).
-    assert "Exception in thread PlacementGroupCleanerMonitor" not in log
+    assert CLEANER_DIED not in log
     return json.loads((tmp_path / "outcome.json").read_text())
 
 
