@@ -127,6 +127,39 @@ def test_validation_batches_cross_blocks_and_read_each_block_once(tmp_path):
     assert list(RowFetcher(ParquetBlocks([], [], [])).batches(4)) == []  # data.val_fraction 0
 
 
+class _Tables:
+    """Blocks already in memory (the interface of ``ObjectStoreBlocks`` and ``ParquetBlocks``)."""
+
+    def __init__(self, tables):
+        self.tables, self.rows = tables, [t.num_rows for t in tables]
+
+    def read(self, index):
+        return self.tables[index]
+
+
+def test_rows_of_blocks_whose_tensor_columns_have_different_shapes_come_together():
+    """Ray Data stores a block's list column as a fixed-shape tensor when all its rows have one length
+    (packed rows that all hold 2 documents: ``seq_lens`` of shape (2,)), else as a variable-shaped one.
+    Rows from blocks of different shapes (a small validation set; short lanes; unpacked rows) failed to
+    concatenate (pyarrow: "Schema at index 1 was different") and ended the run at its validation."""
+    from ray.data.block import BlockAccessor
+
+    from raytrain_hymt.data.blocks import RowFetcher
+
+    ragged = np.empty(2, dtype=object)
+    ragged[:] = [np.array([1, 2, 3]), np.array([6])]
+    batches = [{"seq_lens": np.array([[3, 4]]), "input_ids": np.array([[5, 6, 7]]), "example_ids": np.array([0])},
+               {"seq_lens": np.array([[1, 2, 4]]), "input_ids": np.array([[8, 9, 10]]), "example_ids": np.array([1])},
+               {"seq_lens": ragged, "input_ids": np.array([[1, 1, 1], [2, 2, 2]]), "example_ids": np.array([2, 3])}]
+    fetch = RowFetcher(_Tables([BlockAccessor.batch_to_block(b) for b in batches]))
+    for rows in (fetch([(0, 4)]), next(fetch.batches(4))):
+        assert [r.tolist() for r in rows["seq_lens"]] == [[3, 4], [1, 2, 4], [1, 2, 3], [6]]
+        assert rows["input_ids"].tolist() == [[5, 6, 7], [8, 9, 10], [1, 1, 1], [2, 2, 2]]  # one shape: an array
+        assert rows["example_ids"].tolist() == [0, 1, 2, 3]
+    same = fetch([(0, 1), (2, 4)])  # rows of one shape stay the array iter_batches gives
+    assert same["input_ids"].shape == (3, 3) and [r.tolist() for r in same["seq_lens"]] == [[3, 4], [1, 2, 3], [6]]
+
+
 def test_a_checkpoint_of_the_order_before_lanes_does_not_resume_silently():
     from raytrain_hymt.data.fingerprint import compare_fingerprints, data_fingerprint
 

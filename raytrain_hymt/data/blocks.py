@@ -153,7 +153,23 @@ class RowFetcher:
 
 
 def _numpy(pieces: list) -> dict[str, np.ndarray]:
-    import pyarrow as pa
+    """Numpy columns of the table ``pieces`` in order. Each piece is converted alone: Ray Data stores a
+    block's list column as a fixed-shape tensor when all its rows have one length, so two blocks' columns
+    can differ in type (shape (2,) and (3,), or fixed and variable) and their tables do not concatenate."""
     from ray.data.block import BlockAccessor
 
-    return BlockAccessor.for_block(pa.concat_tables(pieces)).to_batch_format("numpy")
+    batches = [BlockAccessor.for_block(piece).to_batch_format("numpy") for piece in pieces]
+    if len(batches) == 1:
+        return batches[0]
+    return {name: _concat([b[name] for b in batches]) for name in batches[0]}
+
+
+def _concat(parts: list[np.ndarray]) -> np.ndarray:
+    """One column from its parts: an array of their shape where they share one, else one object per row
+    (what a variable-shaped tensor column gives)."""
+    if len({(p.dtype, p.shape[1:]) for p in parts}) == 1:
+        return np.concatenate(parts)
+    out = np.empty(sum(len(p) for p in parts), dtype=object)
+    for i, row in enumerate(row for p in parts for row in p):
+        out[i] = row
+    return out
