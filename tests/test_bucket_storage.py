@@ -89,6 +89,7 @@ def test_bucket_run_trains_resumes_after_a_kill_exports_and_evaluates(s3_endpoin
               "AWS_DEFAULT_REGION": "us-east-1"}
     settings = {
         "run.storage_root": f"s3://{BUCKET}/runs", "optim.max_steps": STEPS, "checkpoint.every_steps": 2,
+        "data.pack_tokens": 256,  # as conftest.tiny_overrides: a fifth of the preset's step time
         "checkpoint.async_upload": True, "checkpoint.max_failures": 1, "eval.every_steps": 4,
         "eval.test_set": FLORES_DEVTEST, **E2E_EVAL,
         **{f"scaling.env.{k}": v for k, v in s3_env.items()},

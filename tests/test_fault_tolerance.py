@@ -25,8 +25,9 @@ from raytrain_hymt.config import load_config
 from raytrain_hymt.trainer import run_training
 
 HERE = Path(__file__).resolve().parent
-#: The two-node run loses its second node once rank 0 has recorded this step.
-KILL_AFTER_STEP = 5
+#: The two-node runs lose their second node while rank 0 is held before this step (a step takes a fifth
+#: of a second: without the hold the run would go on past where the tests expect the loss).
+KILL_BEFORE_STEP = 6
 #: 3 CPUs per worker (one worker per node) and the reference's torch threads per worker (1): Ray would give
 #: each worker OMP_NUM_THREADS=3, torch 2 threads here, whose sums round differently from 1 thread's on
 #: some CPUs (an Intel Xeon: 3.5e-5 off the reference's weight sum at step 4).
@@ -249,6 +250,22 @@ def _wait_until(proc: subprocess.Popen, tmp_path: Path, done, what: str, timeout
         time.sleep(0.2)
 
 
+def _hold_for_kill(tmp_path: Path) -> dict:
+    """A fault holding rank 0 before ``KILL_BEFORE_STEP`` (once) until ``_kill_held`` has killed the node."""
+    return {"kind": "stall", "rank": 0, "step": KILL_BEFORE_STEP, "seconds": 400, "once": str(tmp_path / "held"),
+            "until": str(tmp_path / "node-killed")}
+
+
+def _kill_held(proc: subprocess.Popen, cluster, tmp_path: Path) -> int:
+    """Once rank 0 is held (``_hold_for_kill``), kill the second node and let rank 0 go on; the last step
+    rank 0 recorded before the kill."""
+    _wait_until(proc, tmp_path, (tmp_path / "held").exists, f"rank 0 held before step {KILL_BEFORE_STEP}")
+    cluster.kill_node()
+    killed_after = _last_step(tmp_path / "record", 0)
+    (tmp_path / "node-killed").touch()
+    return killed_after
+
+
 def _last_step(record: Path, rank: int) -> int:
     return read_records(record, rank)[-1]["step"] if Path(record, f"rank{rank}.jsonl").exists() else 0
 
@@ -271,12 +288,10 @@ def test_worker_node_lost_on_two_node_cluster(reference, two_node_cluster, tmp_p
     record, cluster = tmp_path / "record", two_node_cluster
     storage = f"file://{tmp_path / 'runs'}"
     proc = _drive(cluster, tmp_path, "twonode", "checkpoint.async_upload=True", "run.export=True",
-                  "checkpoint.max_failures=2", *THREE_CPUS_ONE_THREAD)
-    _wait_until(proc, tmp_path, lambda: _last_step(record, 0) >= KILL_AFTER_STEP, f"step {KILL_AFTER_STEP}")
-    outcome = {"nodes_before": sorted({r["node"] for rank in (0, 1) for r in read_records(record, rank)}),
-               "worker_node": cluster.node_id[0]}
-    cluster.kill_node()
-    outcome["killed_after_step"] = read_records(record, 0)[-1]["step"]
+                  "checkpoint.max_failures=2", *THREE_CPUS_ONE_THREAD, faults=(_hold_for_kill(tmp_path),))
+    worker_node = cluster.node_id[0]
+    outcome = {"killed_after_step": _kill_held(proc, cluster, tmp_path), "worker_node": worker_node,
+               "nodes_before": sorted({r["node"] for rank in (0, 1) for r in read_records(record, rank)})}
     time.sleep(3)
     cluster.restore()  # the node "returns": the run needs two workers again
     outcome.update(_finish(proc, tmp_path))
@@ -287,9 +302,9 @@ def test_worker_node_lost_on_two_node_cluster(reference, two_node_cluster, tmp_p
     for rank in (0, 1):
         records = read_records(record, rank)
         runs = attempts(records)
-        # The lost node's worker may finish a step (and its checkpoint) while the node goes down, so the
-        # new attempt starts after the newest checkpoint of the steps the first attempt recorded: at most
-        # checkpoint.every_steps (2) steps are trained again.
+        # The node goes down while rank 0 is held before step 6; a worker that still finished a step (and
+        # its checkpoint) then would be allowed for: the new attempt starts after the newest checkpoint of
+        # the steps the first attempt recorded, at most checkpoint.every_steps (2) steps are trained again.
         last_done, resumed = runs[0][-1]["step"], runs[1][0]["step"]
         assert len(runs) == 2 and last_done >= killed and (resumed - 1) % 2 == 0
         assert last_done - 2 <= resumed - 1 <= last_done
@@ -321,14 +336,14 @@ def test_elastic_run_goes_on_with_the_workers_left_and_grows_back(reference, two
     proc = _drive(cluster, tmp_path, "elastic", "scaling.min_workers=1", "scaling.num_workers=2",
                   "optim.global_batch_rows=4", *THREE_CPUS_ONE_THREAD, "checkpoint.max_failures=1",
                   "scaling.elastic_resize_monitor_interval_s=1",
-                  faults=({"kind": "stall", "rank": 0, "step": STALL_STEP, "seconds": 240, "once": str(stalled)},),
+                  faults=({"kind": "stall", "rank": 0, "step": STALL_STEP, "seconds": 240, "once": str(stalled)},
+                          _hold_for_kill(tmp_path)),
                   # Until the lost node is declared dead Ray still counts it and waits for 2 workers' room
                   # this long (60 s by default) before it decides again, on the workers left.
                   env={"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "10"})
-    # Step 5 starts after every rank reported checkpoint 4 (a barrier, synchronous upload).
-    _wait_until(proc, tmp_path, lambda: _last_step(record, 0) >= 5, "step 5")
-    cluster.kill_node()
-    killed_after = _last_step(record, 0)
+    # Step 5 starts after every rank reported checkpoint 4 (a barrier, synchronous upload): the node dies
+    # once checkpoint 4 is saved.
+    killed_after = _kill_held(proc, cluster, tmp_path)
     _wait_until(proc, tmp_path, stalled.exists, f"the one-worker attempt reached step {STALL_STEP}")
     returned = time.time()
     cluster.restore()
