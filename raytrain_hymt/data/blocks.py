@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from raytrain_hymt.config import Config
+from raytrain_hymt.data.packing import object_array
 
 @dataclass
 class ObjectStoreBlocks:
@@ -169,7 +170,4 @@ def _concat(parts: list[np.ndarray]) -> np.ndarray:
     (what a variable-shaped tensor column gives)."""
     if len({(p.dtype, p.shape[1:]) for p in parts}) == 1:
         return np.concatenate(parts)
-    out = np.empty(sum(len(p) for p in parts), dtype=object)
-    for i, row in enumerate(row for p in parts for row in p):
-        out[i] = row
-    return out
+    return object_array([row for p in parts for row in p])

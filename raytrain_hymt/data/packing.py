@@ -68,7 +68,7 @@ PAD_DOCUMENT_ID = -1
 MASKED_ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention")
 
 
-def _object_array(arrays: Sequence[np.ndarray]) -> np.ndarray:
+def object_array(arrays: Sequence[np.ndarray]) -> np.ndarray:
     """A 1-D object array holding ``arrays`` (filled one by one: ``np.array`` would stack equal lengths)."""
     out = np.empty(len(arrays), dtype=object)
     for i, a in enumerate(arrays):
@@ -104,7 +104,7 @@ def next_fit_bounds(lengths: Sequence[int], max_tokens: int) -> np.ndarray:
 
 def _split(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     """``values[offsets[i]:offsets[i + 1]]`` for every ``i``, as an object array of views."""
-    return _object_array([values[a:b] for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())])
+    return object_array([values[a:b] for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())])
 
 
 def _flatten(column, name: str, eids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
