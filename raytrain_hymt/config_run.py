@@ -98,8 +98,9 @@ class CheckpointConfig(_Section):
     latest whole checkpoint."""
     async_upload: bool = False
     """Upload checkpoints to ``run.storage_root`` in a background thread (Ray's
-    ``CheckpointUploadMode.ASYNC``): training goes on while a slow object store receives the files. Off:
-    every rank waits until its shard is stored."""
+    ``CheckpointUploadMode.ASYNC``): training goes on while a slow object store receives the files, and a
+    worker lost during the upload loses that checkpoint. Off: every rank waits until its shard is stored
+    and Ray Train has committed the checkpoint, so a worker lost right after it cannot take it along."""
     on_nonfinite: Literal["skip", "fail"] = "skip"
     """A step whose loss or gradient norm is NaN/inf: ``skip`` discards the step's update (the batch is
     consumed, counted in ``train/skipped_steps`` and logged); ``fail`` stops the run with an error naming
