@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from mlflow_server import _stop_group, free_port
+from mlflow_server import free_port
 
 BIN = Path(sys.executable).parent
 #: What Ray Train's placement-group cleaner writes when its watch ends early (it could not reach the State API).
@@ -79,6 +79,10 @@ class LoopbackCluster:
         # Its processes ask its own State API, as jobs/slurm/train.sbatch's head does: the test session's
         # Ray runs on this machine too, and Ray Train's placement-group cleaner, left to find one, stops.
         self.env["RAY_API_SERVER_ADDRESS"] = self.url
+        # The GCS declares a switched-off node dead after this many failed health checks this far apart
+        # (Ray's defaults: 5 every 3 s, ~15 s of waiting per lost node). A live node that answers late is
+        # still given Ray's 10 s per check, so a busy machine does not lose a node by mistake.
+        self.env.update(RAY_health_check_period_ms="1000", RAY_health_check_failure_threshold="3")
         self.worker_cpus = worker_nodes
         self.head = _start_node(["--head", "--dashboard-host=127.0.0.1", f"--num-cpus={num_cpus}",
                                  *(f"--{k}={v}" for k, v in ports.items())], self.env)
@@ -100,17 +104,7 @@ class LoopbackCluster:
     def kill_node(self, index: int = 0) -> None:
         """SIGKILL worker node ``index`` (its raylet, object store and workers) at once, as a machine that
         is switched off: no drain, the GCS finds the node dead on its own."""
-        proc = self.workers[index]
-        # Ray starts each worker process in a session of its own, outside the node's process group: without
-        # killing them too, a training worker of the "switched off" node kept training until it noticed its
-        # raylet was gone (several steps under load, which made the elastic test's schedule flaky).
-        doomed = _descendants(proc.pid)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        for pid in doomed:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        proc.wait(timeout=30)
+        _switch_off(self.workers[index])
         self.workers[index] = None
 
     def restore(self, timeout_s: float = 120) -> None:
@@ -131,10 +125,26 @@ class LoopbackCluster:
         return {self.node_id[i] for i, proc in enumerate(self.workers) if proc is not None}
 
     def close(self) -> None:
-        """Stop every node (SIGTERM: each `ray start --block` drains its node; then SIGKILL); idempotent."""
+        """Stop every node at once, as ``kill_node`` does (a graceful drain of each node took ~20 s of an
+        idle wait, and nothing of a test cluster needs to outlive it); idempotent."""
         for proc in [p for p in reversed(self.workers) if p is not None] + [self.head]:
-            _stop_group(proc, grace_s=20)
+            if proc.poll() is None:
+                _switch_off(proc)
         self.workers = [None] * len(self.worker_cpus)
+
+
+def _switch_off(proc: subprocess.Popen) -> None:
+    """SIGKILL a node's ``ray start --block`` process group and every process below it."""
+    # Ray starts each worker process in a session of its own, outside the node's process group: without
+    # killing them too, a training worker of the "switched off" node kept training until it noticed its
+    # raylet was gone (several steps under load, which made the elastic test's schedule flaky).
+    doomed = _descendants(proc.pid)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    for pid in doomed:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait(timeout=30)
 
 
 def alive_node_ids(env: dict, url: str) -> set[str]:
