@@ -22,7 +22,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-HZ = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+HZ = os.sysconf("SC_CLK_TCK")  # /proc/stat counts in these ticks (Linux only, as /proc is)
 
 
 def _busy_seconds() -> float:

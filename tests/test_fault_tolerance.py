@@ -350,8 +350,7 @@ def test_elastic_run_goes_on_with_the_workers_left_and_grows_back(reference, two
                   # Until the lost node is declared dead Ray still counts it and waits for 2 workers' room
                   # this long (60 s by default) before it decides again, on the workers left.
                   env={"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "10"})
-    # Step 5 starts after every rank reported checkpoint 4 (a barrier, synchronous upload): the node dies
-    # once checkpoint 4 is saved.
+    # Step 5 starts once Ray Train has committed checkpoint 4 (synchronous upload): the node dies after it.
     killed_after = _kill_held(proc, cluster, tmp_path, "elastic")
     _wait_until(proc, tmp_path, stalled.exists, f"the one-worker attempt reached step {STALL_STEP}")
     returned = time.time()
