@@ -2,10 +2,13 @@
 
     python scripts/suite_timeline.py run OUT_DIR [pytest args ...]   # the suite, sampled (writes OUT_DIR)
     python scripts/suite_timeline.py report OUT_DIR [--files]        # phases (or files), longest first
+    python scripts/suite_timeline.py report OUT_DIR --processes      # CPU by kind of process
 
 ``run`` starts pytest with this file as a plugin, which appends each phase's start and stop to
 ``OUT_DIR/phases.jsonl``, while this process reads the machine's busy CPU time from ``/proc/stat`` every
-second into ``OUT_DIR/cpu.jsonl``. Ray's workers, actors and clusters are processes of their own, which a
+second into ``OUT_DIR/cpu.jsonl``, and every process's CPU time from ``/proc/PID/stat`` into
+``OUT_DIR/processes.json`` (a process's last second before it ends is not seen, nor one that lives less
+than a second: the report gives the share of the machine's CPU the processes it saw account for). Ray's workers, actors and clusters are processes of their own, which a
 profiler of the pytest process alone does not see. ``report`` joins the two: per phase the wall time, the
 CPU-seconds of the whole machine, how busy its cores were, and the idle wall time (wall minus CPU / cores),
 where a test waits rather than works. Run it with nothing else on the machine: every process counts.
@@ -31,11 +34,52 @@ def _busy_seconds() -> float:
     return (sum(ticks) - ticks[3] - ticks[4]) / HZ  # all but idle and iowait
 
 
+def _processes(seen: dict[str, dict]) -> None:
+    """Update ``seen`` (keyed by pid and start time) with every process's CPU-seconds so far and its name."""
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+        except (OSError, ValueError):
+            continue
+        comm, fields = stat[stat.find("(") + 1:stat.rfind(")")], stat[stat.rfind(")") + 2:].split()
+        name = comm
+        if not comm or comm.startswith(("python", "pytest", "ray::")):  # the name is cut at 15 characters
+            try:
+                with open(f"/proc/{pid}/cmdline") as f:
+                    argv = f.read().split("\0")
+            except OSError:
+                continue
+            # Ray's workers title themselves "ray::Class.method", "ray::MapWorker(MapBatches(Fn))", "ray::IDLE";
+            # a process that has ended but is not yet reaped has no command line (keep the name it had)
+            name = argv[0].strip().split(".")[0] if argv[0].startswith("ray::") else argv[0] and _command_kind(argv)
+        # fields[11], [12]: user and system ticks; [19]: start time in ticks after boot
+        entry = seen.setdefault(f"{pid}@{fields[19]}", {"name": name or comm or "?"})
+        entry["cpu"] = (int(fields[11]) + int(fields[12])) / HZ
+        if name and name != "ray::IDLE":  # a task worker goes back to IDLE between tasks: keep what it ran
+            entry["name"] = name
+
+
+def _command_kind(argv: list[str]) -> str:
+    """``python -m pytest ...`` -> ``python -m pytest``; ``python .../log_monitor.py ...`` -> ``python log_monitor.py``."""
+    for i, arg in enumerate(argv[1:], 1):
+        if arg == "-m" and i + 1 < len(argv):
+            return f"python -m {argv[i + 1]}"
+        if arg.endswith(".py"):
+            return f"python {Path(arg).name}"
+        if arg == "-c":
+            return "python -c"
+    return "python"
+
+
 def run(out: Path, pytest_args: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, HYMT_TIMELINE=str(out / "phases.jsonl"),
                PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")])))
     proc = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "suite_timeline", *pytest_args], env=env)
+    already = {}
+    _processes(already)
+    seen: dict[str, dict] = {}
     with open(out / "cpu.jsonl", "w") as cpu:
         last = _busy_seconds()
         while proc.poll() is None:
@@ -44,6 +88,12 @@ def run(out: Path, pytest_args: list[str]) -> int:
             cpu.write(json.dumps({"t": time.time(), "busy": round(now - last, 2)}) + "\n")
             cpu.flush()
             last = now
+            _processes(seen)
+    # Processes that ran before the suite (this one among them) count only with what they spent during it.
+    for key, before in already.items():
+        if key in seen:
+            seen[key]["cpu"] -= before["cpu"]
+    (out / "processes.json").write_text(json.dumps(seen))
     return proc.returncode
 
 
@@ -66,6 +116,21 @@ def report(out: Path, by_file: bool) -> None:
             print(f"{seconds:7.1f} {cpu:7.1f} {100 * cpu / cores / seconds:4.0f}% {seconds - cpu / cores:7.1f}  {key}")
 
 
+def report_processes(out: Path) -> None:
+    """CPU-seconds by kind of process (Ray's actors by their class, Python by script or module), most first."""
+    samples = [json.loads(line) for line in (out / "cpu.jsonl").read_text().splitlines()]
+    kinds: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for p in json.loads((out / "processes.json").read_text()).values():
+        kinds[p["name"]][0] += p["cpu"]
+        kinds[p["name"]][1] += 1
+    machine, counted = sum(s["busy"] for s in samples), sum(cpu for cpu, _ in kinds.values())
+    print(f"{machine:.0f} CPU-s on the machine; the processes seen account for {counted:.0f} ({100 * counted / machine:.0f}%)")
+    print("  CPU-s  share  processes  CPU-s each  kind")
+    for name, (cpu, n) in sorted(kinds.items(), key=lambda kv: -kv[1][0]):
+        if cpu >= 1.0:
+            print(f"{cpu:7.1f} {100 * cpu / machine:5.1f}% {n:10d} {cpu / n:11.1f}  {name}")
+
+
 def pytest_runtest_logreport(report):  # the plugin side, in the pytest process
     with open(os.environ["HYMT_TIMELINE"], "a") as f:
         f.write(json.dumps({"id": report.nodeid, "when": report.when, "start": report.start,
@@ -77,4 +142,7 @@ if __name__ == "__main__":
         sys.exit(__doc__)
     if sys.argv[1] == "run":
         sys.exit(run(Path(sys.argv[2]), sys.argv[3:]))
-    report(Path(sys.argv[2]), "--files" in sys.argv[3:])
+    if "--processes" in sys.argv[3:]:
+        report_processes(Path(sys.argv[2]))
+    else:
+        report(Path(sys.argv[2]), "--files" in sys.argv[3:])

@@ -1,0 +1,41 @@
+"""scripts/suite_timeline.py: what its reports say about a recorded run (a small one written here)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+import suite_timeline  # noqa: E402
+
+
+def test_python_processes_are_named_by_their_script_or_module():
+    kind = suite_timeline._command_kind
+    assert kind(["/v/bin/python", "-m", "pytest", "-q", ""]) == "python -m pytest"
+    assert kind(["/v/bin/python", "-u", "/v/lib/ray/_private/log_monitor.py", "--x", ""]) == "python log_monitor.py"
+    assert kind(["/v/bin/python", "-B", "-c", "from multiprocessing import x", ""]) == "python -c"
+    assert kind(["python", ""]) == "python"
+
+
+def test_this_process_is_seen_with_its_cpu_time():
+    seen: dict[str, dict] = {}
+    suite_timeline._processes(seen)
+    mine = [p for key, p in seen.items() if key.startswith(f"{os.getpid()}@")]
+    assert len(mine) == 1 and mine[0]["name"].startswith("python") and mine[0]["cpu"] > 0
+
+
+def test_processes_report_sums_by_kind_against_the_machine(tmp_path, capsys):
+    (tmp_path / "cpu.jsonl").write_text("".join(json.dumps({"t": t, "busy": 10.0}) + "\n" for t in range(4)))
+    (tmp_path / "processes.json").write_text(json.dumps({
+        "1@5": {"name": "ray::RayTrainWorker", "cpu": 12.0}, "2@6": {"name": "ray::RayTrainWorker", "cpu": 8.0},
+        "3@7": {"name": "python -m pytest", "cpu": 6.0}, "4@8": {"name": "ray::IDLE", "cpu": 0.5}}))
+    suite_timeline.report_processes(tmp_path)
+    assert capsys.readouterr().out.splitlines() == [
+        "40 CPU-s on the machine; the processes seen account for 26 (66%)",
+        "  CPU-s  share  processes  CPU-s each  kind",
+        "   20.0  50.0%          2        10.0  ray::RayTrainWorker",
+        "    6.0  15.0%          1         6.0  python -m pytest",
+    ]
