@@ -5,13 +5,16 @@
     python scripts/suite_timeline.py report OUT_DIR --processes      # CPU by kind of process
 
 ``run`` starts pytest with this file as a plugin, which appends each phase's start and stop to
-``OUT_DIR/phases.jsonl``, while this process reads the machine's busy CPU time from ``/proc/stat`` every
-second into ``OUT_DIR/cpu.jsonl``, and every process's CPU time from ``/proc/PID/stat`` into
-``OUT_DIR/processes.json`` (a process's last second before it ends is not seen, nor one that lives less
-than a second: the report gives the share of the machine's CPU the processes it saw account for). Ray's workers, actors and clusters are processes of their own, which a
-profiler of the pytest process alone does not see. ``report`` joins the two: per phase the wall time, the
-CPU-seconds of the whole machine, how busy its cores were, and the idle wall time (wall minus CPU / cores),
-where a test waits rather than works. Run it with nothing else on the machine: every process counts.
+``OUT_DIR/phases.jsonl``. Meanwhile, every second, this process reads the machine's busy CPU time from
+``/proc/stat`` into ``OUT_DIR/cpu.jsonl`` and every process's CPU time from ``/proc/PID/stat`` into
+``OUT_DIR/processes.json``. Ray's workers, actors and clusters are processes of their own, which a
+profiler of the pytest process alone does not see.
+
+``report`` joins phases and samples: per phase the wall time, the CPU-seconds of the whole machine, how
+busy its cores were, and the idle wall time (wall minus CPU / cores), where a test waits rather than
+works. ``report --processes`` sums the CPU by kind of process and says what share of the machine's CPU
+the processes it saw account for: a process's last second before it ends is not seen, nor a process
+that lives less than a second. Run it with nothing else on the machine: every process counts.
 """
 
 from __future__ import annotations
@@ -77,7 +80,7 @@ def run(out: Path, pytest_args: list[str]) -> int:
     env = dict(os.environ, HYMT_TIMELINE=str(out / "phases.jsonl"),
                PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")])))
     proc = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "suite_timeline", *pytest_args], env=env)
-    already = {}
+    already: dict[str, dict] = {}
     _processes(already)
     seen: dict[str, dict] = {}
     with open(out / "cpu.jsonl", "w") as cpu:
@@ -97,8 +100,12 @@ def run(out: Path, pytest_args: list[str]) -> int:
     return proc.returncode
 
 
+def _samples(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "cpu.jsonl").read_text().splitlines()]
+
+
 def report(out: Path, by_file: bool) -> None:
-    samples = [json.loads(line) for line in (out / "cpu.jsonl").read_text().splitlines()]
+    samples = _samples(out)
     phases = [json.loads(line) for line in (out / "phases.jsonl").read_text().splitlines()]
     times, cores = [s["t"] for s in samples], os.cpu_count() or 1
     rows: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
@@ -118,7 +125,7 @@ def report(out: Path, by_file: bool) -> None:
 
 def report_processes(out: Path) -> None:
     """CPU-seconds by kind of process (Ray's actors by their class, Python by script or module), most first."""
-    samples = [json.loads(line) for line in (out / "cpu.jsonl").read_text().splitlines()]
+    samples = _samples(out)
     kinds: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for p in json.loads((out / "processes.json").read_text()).values():
         kinds[p["name"]][0] += p["cpu"]
