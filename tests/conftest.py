@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import runpy
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,12 @@ os.environ.pop("MLFLOW_TRACKING_URI", None)
 os.environ.pop("RAY_ADDRESS", None)
 
 REPO = Path(__file__).resolve().parents[1]
+#: Every Python process the suite starts runs tests/startup/sitecustomize.py (fewer full garbage collections
+#: while it imports torch and the rest); pytest's own process runs it here.
+STARTUP = REPO / "tests" / "startup"
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(STARTUP), os.environ.get("PYTHONPATH")]))
+runpy.run_path(str(STARTUP / "sitecustomize.py"))
+
 #: Small real data shipped with the tests, each with its source and license (``tests/assets/*/SOURCE.md``),
 #: so that a fresh clone runs every data test; a missing file fails the test that reads it.
 ASSETS = REPO / "tests" / "assets"

@@ -106,7 +106,8 @@ def _on_a_terminal(args: list[str], verbose: bool = False) -> str:
     import termios
 
     env = {k: v for k, v in os.environ.items() if k not in ("HYMT_VERBOSE", "RAY_ADDRESS")}
-    env.update({"PYTHONPATH": str(REPO), **({"HYMT_VERBOSE": "1"} if verbose else {})})
+    env.update({"PYTHONPATH": os.pathsep.join([str(REPO), os.environ["PYTHONPATH"]]),
+                **({"HYMT_VERBOSE": "1"} if verbose else {})})
     main, child = pty.openpty()
     fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
     proc = subprocess.Popen([sys.executable, "-m", "raytrain_hymt.cli", *args], stdin=child, stdout=child,
