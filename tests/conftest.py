@@ -15,6 +15,13 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
 # logs node drains, which no test's fit has (the two-node test kills its node with SIGKILL).
 os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Two daemons of every Ray the suite starts poll on this 2-core machine's time. The log monitor globs its log
+# folder every 0.1 s while it holds < 1000 files; at threshold 0 it does every 0.5 s (a new worker's log is
+# still read from its first line). The dashboard agent measures every Ray process's CPU and memory every 5 s
+# for the dashboard's node view, which no test reads. Over a whole suite the session cluster's two spent
+# ~330 CPU-s (docs/suite-time.md).
+os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
+os.environ.setdefault("REPORTER_UPDATE_INTERVAL_MS", "60000")
 os.environ.pop("MLFLOW_TRACKING_URI", None)
 os.environ.pop("RAY_ADDRESS", None)
 
