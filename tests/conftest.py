@@ -18,8 +18,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Two daemons of every Ray the suite starts poll on this 2-core machine's time. The log monitor globs its log
 # folder every 0.1 s while it holds < 1000 files; at threshold 0 it does every 0.5 s (a new worker's log is
 # still read from its first line). The dashboard agent measures every Ray process's CPU and memory every 5 s
-# for the dashboard's node view, which no test reads. Over a whole suite the session cluster's two spent
-# ~330 CPU-s (docs/suite-time.md).
+# for the dashboard's node view, which no test reads. Over a whole suite the session cluster's log monitor
+# spent 215 CPU-s, most of it globbing (docs/suite-time.md).
 os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
 os.environ.setdefault("REPORTER_UPDATE_INTERVAL_MS", "60000")
 os.environ.pop("MLFLOW_TRACKING_URI", None)
