@@ -22,6 +22,7 @@ from __future__ import annotations
 import bisect
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -149,6 +150,7 @@ if __name__ == "__main__":
         sys.exit(__doc__)
     if sys.argv[1] == "run":
         sys.exit(run(Path(sys.argv[2]), sys.argv[3:]))
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # a report piped to `head` ends quietly
     if "--processes" in sys.argv[3:]:
         report_processes(Path(sys.argv[2]))
     else:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -27,11 +28,15 @@ def test_this_process_is_seen_with_its_cpu_time():
     assert len(mine) == 1 and mine[0]["name"].startswith("python") and mine[0]["cpu"] > 0
 
 
-def test_processes_report_sums_by_kind_against_the_machine(tmp_path, capsys):
-    (tmp_path / "cpu.jsonl").write_text("".join(json.dumps({"t": t, "busy": 10.0}) + "\n" for t in range(4)))
-    (tmp_path / "processes.json").write_text(json.dumps({
+def _write_recorded_run(folder: Path) -> None:
+    (folder / "cpu.jsonl").write_text("".join(json.dumps({"t": t, "busy": 10.0}) + "\n" for t in range(4)))
+    (folder / "processes.json").write_text(json.dumps({
         "1@5": {"name": "ray::RayTrainWorker", "cpu": 12.0}, "2@6": {"name": "ray::RayTrainWorker", "cpu": 8.0},
         "3@7": {"name": "python -m pytest", "cpu": 6.0}, "4@8": {"name": "ray::IDLE", "cpu": 0.5}}))
+
+
+def test_processes_report_sums_by_kind_against_the_machine(tmp_path, capsys):
+    _write_recorded_run(tmp_path)
     suite_timeline.report_processes(tmp_path)
     assert capsys.readouterr().out.splitlines() == [
         "40 CPU-s on the machine; the processes seen account for 26 (66%)",
@@ -39,3 +44,17 @@ def test_processes_report_sums_by_kind_against_the_machine(tmp_path, capsys):
         "   20.0  50.0%          2        10.0  ray::RayTrainWorker",
         "    6.0  15.0%          1         6.0  python -m pytest",
     ]
+
+
+def test_a_report_whose_reader_has_gone_ends_without_a_traceback(tmp_path):
+    """`report DIR --processes | head -1`: the reader closes the pipe before the report is written."""
+    _write_recorded_run(tmp_path)
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # every write to the pipe now fails, as after `head` has read its line and left
+    try:
+        done = subprocess.run([sys.executable, suite_timeline.__file__, "report", str(tmp_path), "--processes"],
+                              stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(write_end)
+    assert done.stderr == ""
+    assert done.returncode == -13  # ended by SIGPIPE, as `cat` or `ls` would be
