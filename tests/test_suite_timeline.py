@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -57,4 +58,4 @@ def test_a_report_whose_reader_has_gone_ends_without_a_traceback(tmp_path):
     finally:
         os.close(write_end)
     assert done.stderr == ""
-    assert done.returncode == -13  # ended by SIGPIPE, as `cat` or `ls` would be
+    assert done.returncode == -signal.SIGPIPE  # as `cat` or `ls` would end
