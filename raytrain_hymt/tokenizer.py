@@ -1,6 +1,7 @@
 """The tokenizer: a local folder or hub id, or the tiny offline stand-in (a byte-level BPE trained on the
 bundled sample corpus, saved with a chat template in Hunyuan's turn format), and the ``model.name_or_path``
-values with a meaning of their own. Tokenizing needs no torch: the data layer loads it from here."""
+values with a meaning of their own. Tokenizing needs none of the model code: the data layer loads it from
+here. (transformers' ``AutoTokenizer`` still imports torch, ~2 CPU-s per tokenizer actor: docs/suite-time.md.)"""
 
 from __future__ import annotations
 
