@@ -3,6 +3,7 @@
     python scripts/suite_timeline.py run OUT_DIR [pytest args ...]   # the suite, sampled (writes OUT_DIR)
     python scripts/suite_timeline.py report OUT_DIR [--files]        # phases (or files), longest first
     python scripts/suite_timeline.py report OUT_DIR --processes      # CPU by kind of process
+    python scripts/suite_timeline.py report OUT_DIR --fits           # Ray Train fits per test
 
 ``run`` starts pytest with this file as a plugin, which appends each phase's start and stop to
 ``OUT_DIR/phases.jsonl``. Meanwhile, every second, this process reads the machine's busy CPU time from
@@ -14,7 +15,9 @@ profiler of the pytest process alone does not see.
 busy its cores were, and the idle wall time (wall minus CPU / cores), where a test waits rather than
 works. ``report --processes`` sums the CPU by kind of process and says what share of the machine's CPU
 the processes it saw account for: a process's last second before it ends is not seen, nor a process
-that lives less than a second. Run it with nothing else on the machine: every process counts.
+that lives less than a second. ``report --fits`` gives each test the Ray Train controllers (one per fit)
+and training workers that started during its phases, with their CPU. Run it with nothing else on the
+machine: every process counts.
 """
 
 from __future__ import annotations
@@ -30,6 +33,12 @@ from collections import defaultdict
 from pathlib import Path
 
 HZ = os.sysconf("SC_CLK_TCK")  # /proc/stat counts in these ticks (Linux only, as /proc is)
+
+
+def _boot_time() -> float:
+    """When the machine booted (epoch seconds): processes' start times count ticks from it."""
+    with open("/proc/stat") as f:
+        return float(next(line.split()[1] for line in f if line.startswith("btime")))
 
 
 def _busy_seconds() -> float:
@@ -78,6 +87,7 @@ def _command_kind(argv: list[str]) -> str:
 
 def run(out: Path, pytest_args: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
+    (out / "btime").write_text(f"{_boot_time():.0f}\n")
     env = dict(os.environ, HYMT_TIMELINE=str(out / "phases.jsonl"),
                PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")])))
     proc = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "suite_timeline", *pytest_args], env=env)
@@ -139,6 +149,31 @@ def report_processes(out: Path) -> None:
             print(f"{cpu:7.1f} {100 * cpu / machine:5.1f}% {n:10d} {cpu / n:11.1f}  {name}")
 
 
+def report_fits(out: Path) -> None:
+    """Per test, the Ray Train fits (controllers) and workers that started during its phases, and their CPU."""
+    if not (out / "btime").exists():  # runs recorded before `run` wrote it
+        sys.exit(f"{out / 'btime'} is missing: write the boot time of the machine that ran the suite "
+                 "(`btime` in its /proc/stat) there")
+    btime = float((out / "btime").read_text())
+    phases = [json.loads(line) for line in (out / "phases.jsonl").read_text().splitlines()]
+    starts = [p["start"] for p in phases]
+    rows: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0])
+    for key, p in json.loads((out / "processes.json").read_text()).items():
+        kind = {"ray::TrainController": 0, "ray::RayTrainWorker": 1}.get(p["name"])
+        if kind is None:
+            continue
+        started = btime + int(key.split("@")[1]) / HZ
+        i = bisect.bisect_right(starts, started) - 1
+        test = phases[i]["id"] if i >= 0 and started <= phases[i]["stop"] else "(between tests)"
+        rows[test][kind] += 1
+        rows[test][2] += p["cpu"]
+    print(" fits  workers   CPU-s  test")
+    for test, (fits, workers, cpu) in sorted(rows.items(), key=lambda kv: -kv[1][2]):
+        print(f"{fits:5d} {workers:8d} {cpu:7.1f}  {test}")
+    print(f"{sum(r[0] for r in rows.values()):5d} {sum(r[1] for r in rows.values()):8d} "
+          f"{sum(r[2] for r in rows.values()):7.1f}  in all")
+
+
 def pytest_runtest_logreport(report):  # the plugin side, in the pytest process
     with open(os.environ["HYMT_TIMELINE"], "a") as f:
         f.write(json.dumps({"id": report.nodeid, "when": report.when, "start": report.start,
@@ -153,5 +188,7 @@ if __name__ == "__main__":
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # a report piped to `head` ends quietly
     if "--processes" in sys.argv[3:]:
         report_processes(Path(sys.argv[2]))
+    elif "--fits" in sys.argv[3:]:
+        report_fits(Path(sys.argv[2]))
     else:
         report(Path(sys.argv[2]), "--files" in sys.argv[3:])

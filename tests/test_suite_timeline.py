@@ -59,3 +59,27 @@ def test_a_report_whose_reader_has_gone_ends_without_a_traceback(tmp_path):
         os.close(write_end)
     assert done.stderr == ""
     assert done.returncode == -signal.SIGPIPE  # as `cat` or `ls` would end
+
+
+def test_fits_report_gives_each_test_the_controllers_and_workers_started_during_it(tmp_path, capsys):
+    hz = suite_timeline.HZ
+    (tmp_path / "btime").write_text("1000\n")
+    (tmp_path / "phases.jsonl").write_text("".join(json.dumps(p) + "\n" for p in [
+        {"id": "tests/test_a.py::test_one", "when": "call", "start": 1010.0, "stop": 1020.0},
+        {"id": "tests/test_b.py::test_two", "when": "setup", "start": 1020.5, "stop": 1030.0}]))
+    (tmp_path / "processes.json").write_text(json.dumps({  # keyed by pid @ start ticks after boot
+        f"1@{11 * hz}": {"name": "ray::TrainController", "cpu": 3.0},
+        f"2@{12 * hz}": {"name": "ray::RayTrainWorker", "cpu": 10.0},
+        f"3@{12 * hz}": {"name": "ray::RayTrainWorker", "cpu": 9.0},
+        f"4@{21 * hz}": {"name": "ray::TrainController", "cpu": 2.0},
+        f"5@{21 * hz}": {"name": "ray::RayTrainWorker", "cpu": 30.0},
+        f"6@{int(20.2 * hz)}": {"name": "ray::RayTrainWorker", "cpu": 1.0},  # between the two tests
+        f"7@{12 * hz}": {"name": "ray::MapWorker(MapBatches(TokenizePairs))", "cpu": 5.0}}))
+    suite_timeline.report_fits(tmp_path)
+    assert capsys.readouterr().out.splitlines() == [
+        " fits  workers   CPU-s  test",
+        "    1        1    32.0  tests/test_b.py::test_two",
+        "    1        2    22.0  tests/test_a.py::test_one",
+        "    0        1     1.0  (between tests)",
+        "    2        4    55.0  in all",
+    ]
