@@ -33,6 +33,7 @@ from collections import defaultdict
 from pathlib import Path
 
 HZ = os.sysconf("SC_CLK_TCK")  # /proc/stat counts in these ticks (Linux only, as /proc is)
+FIT_KINDS = {"ray::TrainController": 0, "ray::RayTrainWorker": 1}  # one controller per fit; its workers
 
 
 def _boot_time() -> float:
@@ -111,13 +112,13 @@ def run(out: Path, pytest_args: list[str]) -> int:
     return proc.returncode
 
 
-def _samples(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "cpu.jsonl").read_text().splitlines()]
+def _records(out: Path, name: str) -> list[dict]:
+    return [json.loads(line) for line in (out / name).read_text().splitlines()]
 
 
 def report(out: Path, by_file: bool) -> None:
-    samples = _samples(out)
-    phases = [json.loads(line) for line in (out / "phases.jsonl").read_text().splitlines()]
+    samples = _records(out, "cpu.jsonl")
+    phases = _records(out, "phases.jsonl")
     times, cores = [s["t"] for s in samples], os.cpu_count() or 1
     rows: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
     for p in phases:
@@ -136,7 +137,7 @@ def report(out: Path, by_file: bool) -> None:
 
 def report_processes(out: Path) -> None:
     """CPU-seconds by kind of process (Ray's actors by their class, Python by script or module), most first."""
-    samples = _samples(out)
+    samples = _records(out, "cpu.jsonl")
     kinds: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for p in json.loads((out / "processes.json").read_text()).values():
         kinds[p["name"]][0] += p["cpu"]
@@ -155,11 +156,11 @@ def report_fits(out: Path) -> None:
         sys.exit(f"{out / 'btime'} is missing: write the boot time of the machine that ran the suite "
                  "(`btime` in its /proc/stat) there")
     btime = float((out / "btime").read_text())
-    phases = [json.loads(line) for line in (out / "phases.jsonl").read_text().splitlines()]
+    phases = _records(out, "phases.jsonl")
     starts = [p["start"] for p in phases]
     rows: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0])
     for key, p in json.loads((out / "processes.json").read_text()).items():
-        kind = {"ray::TrainController": 0, "ray::RayTrainWorker": 1}.get(p["name"])
+        kind = FIT_KINDS.get(p["name"])
         if kind is None:
             continue
         started = btime + int(key.split("@")[1]) / HZ
