@@ -22,6 +22,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
+
+from benchmarks.rank_exit import end_rank
 
 log = logging.getLogger("raytrain_hymt")
 
@@ -273,7 +276,7 @@ def _padded_tokens(cfg, global_batch: dict) -> float:
     return float(sum(-(-max(lengths[i : i + b]) // 8) * 8 * len(lengths[i : i + b]) for i in range(0, rows, b)))
 
 
-def _torchrun_worker(spec_path: str) -> None:
+def _torchrun_worker(spec_path: str) -> NoReturn:
     """Entry of one torchrun rank (``python -m torch.distributed.run ... -m benchmarks.throughput SPEC``)."""
     import torch
     import torch.distributed as dist
@@ -284,12 +287,12 @@ def _torchrun_worker(spec_path: str) -> None:
     else:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported
     dist.init_process_group("nccl" if spec["use_gpu"] else "gloo")
-    try:
-        with open(spec["batches_path"], "rb") as f:
-            batches = pickle.load(f)
-        bench_loop(spec["loop_config"], context=StandInContext(), shard=StandInShard(batches))
-    finally:
-        dist.destroy_process_group()
+    with open(spec["batches_path"], "rb") as f:
+        batches = pickle.load(f)
+    bench_loop(spec["loop_config"], context=StandInContext(), shard=StandInShard(batches))
+    # Only after success: a failed rank raises and torchrun stops its peers, some of which may be waiting
+    # in a collective that a destroy_process_group here would wait on.
+    end_rank()
 
 
 # --- the driver ----------------------------------------------------------------------------------------

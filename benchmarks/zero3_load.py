@@ -17,10 +17,12 @@ import resource
 import tempfile
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
 from benchmarks.ports import free_port
+from benchmarks.rank_exit import end_rank
 
 
 def save_model_folder(folder: Path, layers: int | None, gpu: bool) -> int:
@@ -79,7 +81,7 @@ class _AnonPeak:
         return round(peak, 2)
 
 
-def _rank(rank: int, world: int, port: int, folder: str, partitioned: bool, gpu: bool, out: str) -> None:
+def _rank(rank: int, world: int, port: int, folder: str, partitioned: bool, gpu: bool, out: str) -> NoReturn:
     import torch.distributed as dist
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
@@ -122,7 +124,7 @@ def _rank(rank: int, world: int, port: int, folder: str, partitioned: bool, gpu:
     with open(out, "a") as f:
         f.write(json.dumps(row) + "\n")
     dist.barrier()
-    dist.destroy_process_group()
+    end_rank()
 
 
 def measure(layers: int | None, world: int, gpu: bool, workdir: str | None = None) -> list[dict]:

@@ -6,6 +6,8 @@ come from the benchmark on 2×H200 (docs/gpu-benchmark.md)."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -154,6 +156,25 @@ def test_benchmark_cli_rejects_unknown_case(capsys):
         sys.path.remove(str(REPO / "jobs"))
     with pytest.raises(ValueError, match="unknown case 'bogus'"):
         benchmark.main(["--cpu", "--shape", "tiny", "--case", "bogus"])
+
+
+def test_a_benchmark_rank_ends_with_its_output_and_without_the_interpreters_shutdown(tmp_path):
+    """end_rank, which the torchrun and spawned ranks call last: what the rank printed and logged reaches its
+    parent, it exits 0, and no shutdown code runs (where gloo's threads can abort a finished rank)."""
+    script = f"""
+import atexit, logging, torch.distributed as dist
+from benchmarks.rank_exit import end_rank
+dist.init_process_group("gloo", init_method="file://{tmp_path / 'store'}", rank=0, world_size=1)
+atexit.register(print, " and the interpreter's shutdown")
+logging.basicConfig(format="%(message)s")
+logging.getLogger("bench").warning("logged")
+print("printed", end="")
+end_rank()
+"""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # a pipe buffers what is printed
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "printed", "logged\n")
 
 
 def test_zero3_load_benchmark_measures_both_ways(tmp_path):
