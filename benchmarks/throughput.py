@@ -290,8 +290,8 @@ def _torchrun_worker(spec_path: str) -> NoReturn:
     with open(spec["batches_path"], "rb") as f:
         batches = pickle.load(f)
     bench_loop(spec["loop_config"], context=StandInContext(), shard=StandInShard(batches))
-    # Only after success: a failed rank raises and torchrun stops its peers, some of which may be waiting
-    # in a collective that a destroy_process_group here would wait on.
+    # Only after success: a failed rank raises and torchrun stops its peers; a destroy_process_group while
+    # a peer still waits in a collective can hang (torchtitan's train.py destroys only after success too).
     end_rank()
 
 
