@@ -1,5 +1,6 @@
 """tests/startup/sitecustomize.py, which every process of the suite runs: DeepSpeed's Muon kernels are compiled
-at their first call, not at import, and compute what they computed."""
+at their first call, not at import, and compute what they computed; its autotuner's mlflow is imported when
+the autotuner first uses it."""
 
 from __future__ import annotations
 
@@ -26,14 +27,20 @@ out = kernel(g, 5)
 kernel(g, 5)
 print("compiled:", [f.__name__ for f in compiled])
 print("same as eager:", torch.equal(out, kernel.__wrapped__(g, 5)))
+from deepspeed.autotuning import autotuner
+print("mlflow imported:", "mlflow" in sys.modules, autotuner.has_mlflow)
+start_run = autotuner.mlflow.start_run
+print("mlflow on use:", start_run.__module__, sys.modules["mlflow"].start_run is start_run)
 """
 
 
-def test_muon_kernels_are_compiled_at_their_first_call_not_at_import():
+def test_muon_kernels_and_the_autotuners_mlflow_load_at_first_use_not_at_import():
     env = {**os.environ, "PYTHONPATH": str(STARTUP), "DS_ACCELERATOR": "cpu"}
     out = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.splitlines()[-3:] == [
+    assert out.splitlines()[-5:] == [
         "compiler stack imported: False",
         "compiled: ['zeropower_via_newtonschulz5']",
         "same as eager: True",
+        "mlflow imported: False True",
+        "mlflow on use: mlflow.tracking.fluent True",
     ]

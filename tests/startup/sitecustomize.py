@@ -10,11 +10,16 @@ heap during that import, about 1.3 of its 7 to 9 CPU-s here. With gen2's thresho
 The suite starts a few hundred such processes on two cores. Young objects are still collected as often
 as before; only the full scans are rarer.
 
-DeepSpeed's ZeRO optimizer imports its Muon module at the first gradient reduction (an ``isinstance``
-check), and that module decorates three kernels with ``torch.compile`` at import, which loads dynamo's
-compiler stack (aot_autograd, inductor, networkx): 1.6 CPU-s in each training worker here, for kernels no
-test calls (no preset uses Muon). ``defer_muon_compile`` makes DeepSpeed's ``compiler.compile()`` compile a
-kernel at its first call instead, with the same ``torch.compile``; what the kernels compute is unchanged.
+Two imports of DeepSpeed that no test uses are deferred to their first use; what runs is unchanged:
+- its ZeRO optimizer imports its Muon module at the first gradient reduction (an ``isinstance`` check),
+  and that module decorates three kernels with ``torch.compile`` at import, which loads dynamo's compiler
+  stack (aot_autograd, inductor, networkx): ``compile_at_first_call`` calls the same ``torch.compile`` when
+  a kernel is first called (no preset uses Muon);
+- its autotuner, which ``import deepspeed`` loads, imports mlflow at import for its own runs, which no test
+  starts: it gets ``ImportedOnUse("mlflow")``, the real module once it reads an attribute (rank 0's
+  tracker imports mlflow as usual).
+Together 2.8 CPU-s of a training worker's ~5 for ``import torch, transformers, ray.train.torch, deepspeed``
+and the Muon import, here (docs/suite-time.md).
 """
 
 import functools
@@ -48,31 +53,62 @@ def compile_at_first_call():
     return decorate
 
 
-class _DeferMuonCompile(importlib.abc.MetaPathFinder):
-    """Finds ``deepspeed.runtime.compiler`` as usual and swaps its ``compile`` once the module has run."""
+class ImportedOnUse:
+    """Stands in for module ``name`` and imports it when one of its attributes is first read."""
 
-    MODULE = "deepspeed.runtime.compiler"
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attr):
+        if attr.startswith("__"):  # inspect, pickle and the import system probe these: not a use
+            raise AttributeError(attr)
+        if sys.modules.get(self._name) is self:
+            del sys.modules[self._name]
+        return getattr(importlib.import_module(self._name), attr)
+
+
+def _compile_muon_at_first_call(run, module) -> None:
+    run(module)
+    module.compile = compile_at_first_call
+
+
+def _import_mlflow_at_first_use(run, module) -> None:
+    if "mlflow" in sys.modules:
+        return run(module)
+    stand_in = sys.modules["mlflow"] = ImportedOnUse("mlflow")
+    try:
+        run(module)
+    finally:
+        if sys.modules.get("mlflow") is stand_in:
+            del sys.modules["mlflow"]
+
+
+#: Module -> how it is run: ``(run, module)``, where ``run(module)`` executes its code.
+_AROUND = {
+    "deepspeed.runtime.compiler": _compile_muon_at_first_call,
+    "deepspeed.autotuning.autotuner": _import_mlflow_at_first_use,
+}
+
+
+class _Deferring(importlib.abc.MetaPathFinder):
+    """Finds the modules of ``_AROUND`` as usual and runs each through its wrapper."""
 
     def find_spec(self, name, path, target=None):
-        if name != self.MODULE:
+        around = _AROUND.get(name)
+        if around is None:
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None:
             return spec
         run = spec.loader.exec_module
-
-        def exec_module(module):
-            run(module)
-            module.compile = compile_at_first_call
-
-        spec.loader.exec_module = exec_module
+        spec.loader.exec_module = lambda module: around(run, module)
         return spec
 
 
-def defer_muon_compile() -> None:
+def defer_imports() -> None:
     """Install the finder (once) ahead of the standard ones."""
-    if not any(isinstance(f, _DeferMuonCompile) for f in sys.meta_path):
-        sys.meta_path.insert(0, _DeferMuonCompile())
+    if not any(isinstance(f, _Deferring) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Deferring())
 
 
-defer_muon_compile()
+defer_imports()
