@@ -1,6 +1,5 @@
-"""tests/startup/sitecustomize.py, which every process of the suite runs: DeepSpeed's Muon kernels are compiled
-at their first call, not at import, and compute what they computed; its autotuner's mlflow is imported when
-the autotuner first uses it."""
+"""tests/startup/sitecustomize.py, which every process of the suite runs: imports that a process does not use
+wait for their first use, and what is then used is the real thing."""
 
 from __future__ import annotations
 
@@ -10,10 +9,19 @@ import sys
 
 from conftest import STARTUP
 
-# A fresh interpreter, as a Ray worker starts: the start-up file found on PYTHONPATH, then DeepSpeed's ZeRO
-# optimizer imports Muon. Then the first call of a kernel, with torch.compile recorded (inductor would spend
-# a minute compiling it on two cores) and the kernel's own function run where the compiled one would be.
-_CHILD = """
+
+def _child(script: str) -> list[str]:
+    """The lines ``script`` prints in a fresh interpreter started as a Ray worker is: with the start-up file
+    found on PYTHONPATH."""
+    env = {**os.environ, "PYTHONPATH": str(STARTUP), "DS_ACCELERATOR": "cpu"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True).stdout
+    return out.splitlines()
+
+
+# A training worker: DeepSpeed's ZeRO optimizer imports Muon. Then a kernel's first call, with torch.compile
+# recorded (inductor would spend a minute compiling it on two cores) and the kernel's own function run where
+# the compiled one would be; then the autotuner's mlflow, which nothing read until then.
+_WORKER = """
 import sys
 import torch
 from deepspeed.runtime.zero.muon import original_muon
@@ -33,14 +41,28 @@ start_run = autotuner.mlflow.start_run
 print("mlflow on use:", start_run.__module__, sys.modules["mlflow"].start_run is start_run)
 """
 
+# A tokenizer actor: the tiny tokenizer loaded as the pipeline loads it, then torch used through the module
+# that deferred it.
+_TOKENIZER = """
+import sys
+from raytrain_hymt.tokenizer import load_tokenizer
+tok = load_tokenizer("tiny")
+print("tokens:", tok("Hello world")["input_ids"] == tok.encode("Hello world"), "torch imported:", "torch" in sys.modules)
+from transformers import modeling_rope_utils
+print("torch on use:", modeling_rope_utils.torch.arange(3).tolist(), modeling_rope_utils.torch.__version__ ==
+      sys.modules["torch"].__version__)
+"""
+
 
 def test_muon_kernels_and_the_autotuners_mlflow_load_at_first_use_not_at_import():
-    env = {**os.environ, "PYTHONPATH": str(STARTUP), "DS_ACCELERATOR": "cpu"}
-    out = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.splitlines()[-5:] == [
+    assert _child(_WORKER)[-5:] == [
         "compiler stack imported: False",
         "compiled: ['zeropower_via_newtonschulz5']",
         "same as eager: True",
         "mlflow imported: False True",
         "mlflow on use: mlflow.tracking.fluent True",
     ]
+
+
+def test_a_tokenizer_loads_without_torch_until_torch_is_used():
+    assert _child(_TOKENIZER)[-2:] == ["tokens: True torch imported: False", "torch on use: [0, 1, 2] True"]

@@ -10,16 +10,19 @@ heap during that import, about 1.3 of its 7 to 9 CPU-s here. With gen2's thresho
 The suite starts a few hundred such processes on two cores. Young objects are still collected as often
 as before; only the full scans are rarer.
 
-Two imports of DeepSpeed that no test uses are deferred to their first use; what runs is unchanged:
-- its ZeRO optimizer imports its Muon module at the first gradient reduction (an ``isinstance`` check),
-  and that module decorates three kernels with ``torch.compile`` at import, which loads dynamo's compiler
-  stack (aot_autograd, inductor, networkx): ``compile_at_first_call`` calls the same ``torch.compile`` when
-  a kernel is first called (no preset uses Muon);
-- its autotuner, which ``import deepspeed`` loads, imports mlflow at import for its own runs, which no test
+Three imports that no test uses in the process that makes them are deferred to their first use; what
+runs is unchanged:
+- DeepSpeed's ZeRO optimizer imports its Muon module at the first gradient reduction (an ``isinstance``
+  check), and that module decorates three kernels with ``torch.compile`` at import, which loads dynamo's
+  compiler stack (aot_autograd, inductor, networkx): ``compile_at_first_call`` calls the same
+  ``torch.compile`` when a kernel is first called (no preset uses Muon);
+- DeepSpeed's autotuner, which ``import deepspeed`` loads, imports mlflow for its own runs, which no test
   starts: it gets ``ImportedOnUse("mlflow")``, the real module once it reads an attribute (rank 0's
-  tracker imports mlflow as usual).
-Together 2.8 CPU-s of a training worker's ~5 for ``import torch, transformers, ray.train.torch, deepspeed``
-and the Muon import, here (docs/suite-time.md).
+  tracker imports mlflow as usual);
+- transformers' RoPE helpers import torch, which is how ``AutoTokenizer`` (through its config classes)
+  brings torch into the tokenizer actors, which never use it: they get ``ImportedOnUse("torch")``.
+Together 2.8 of the 5.0 CPU-s of ``import torch, transformers, ray.train.torch, deepspeed`` and the Muon
+import in a fresh interpreter, and 1.2 of the 2.1 CPU-s of loading the tiny tokenizer (docs/suite-time.md).
 """
 
 import functools
@@ -60,9 +63,9 @@ class ImportedOnUse:
         self._name = name
 
     def __getattr__(self, attr):
-        if attr.startswith("__"):  # inspect, pickle and the import system probe these: not a use
-            raise AttributeError(attr)
         if sys.modules.get(self._name) is self:
+            if attr.startswith("__"):  # the import system and inspect probe these while it stands in
+                raise AttributeError(attr)
             del sys.modules[self._name]
         return getattr(importlib.import_module(self._name), attr)
 
@@ -72,21 +75,27 @@ def _compile_muon_at_first_call(run, module) -> None:
     module.compile = compile_at_first_call
 
 
-def _import_mlflow_at_first_use(run, module) -> None:
-    if "mlflow" in sys.modules:
-        return run(module)
-    stand_in = sys.modules["mlflow"] = ImportedOnUse("mlflow")
-    try:
-        run(module)
-    finally:
-        if sys.modules.get("mlflow") is stand_in:
-            del sys.modules["mlflow"]
+def _imports_at_first_use(name: str):
+    """Runs a module with ``ImportedOnUse(name)`` for ``import name`` (unless ``name`` is imported already)."""
+
+    def around(run, module) -> None:
+        if name in sys.modules:
+            return run(module)
+        stand_in = sys.modules[name] = ImportedOnUse(name)
+        try:
+            run(module)
+        finally:
+            if sys.modules.get(name) is stand_in:
+                del sys.modules[name]
+
+    return around
 
 
 #: Module -> how it is run: ``(run, module)``, where ``run(module)`` executes its code.
 _AROUND = {
     "deepspeed.runtime.compiler": _compile_muon_at_first_call,
-    "deepspeed.autotuning.autotuner": _import_mlflow_at_first_use,
+    "deepspeed.autotuning.autotuner": _imports_at_first_use("mlflow"),
+    "transformers.modeling_rope_utils": _imports_at_first_use("torch"),
 }
 
 
