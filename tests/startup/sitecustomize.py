@@ -114,10 +114,4 @@ class _Deferring(importlib.abc.MetaPathFinder):
         return spec
 
 
-def defer_imports() -> None:
-    """Install the finder (once) ahead of the standard ones."""
-    if not any(isinstance(f, _Deferring) for f in sys.meta_path):
-        sys.meta_path.insert(0, _Deferring())
-
-
-defer_imports()
+sys.meta_path.insert(0, _Deferring())  # ahead of the standard finders
