@@ -66,3 +66,28 @@ def test_muon_kernels_and_the_autotuners_mlflow_load_at_first_use_not_at_import(
 
 def test_a_tokenizer_loads_without_torch_until_torch_is_used():
     assert _child(_TOKENIZER)[-2:] == ["tokens: True torch imported: False", "torch on use: [0, 1, 2] True"]
+
+
+# A process that loads a tokenizer's or a model's classes: transformers' lazy modules read the model folders
+# (os.scandir of transformers/models) only where no process stored their import structure before.
+_STRUCTURE = """
+import os
+scanned = []
+scandir = os.scandir
+os.scandir = lambda path=".": scanned.append(os.fspath(path)) or scandir(path)
+from transformers import AutoConfig
+from transformers.utils import import_utils
+models = os.path.join(os.path.dirname(import_utils.__file__), os.pardir, "models")
+print("models read:", sum(os.path.samefile(p, models) for p in scanned))
+print("as read now:", import_utils.define_import_structure(models, "models") ==
+      import_utils.define_import_structure.uncached(models, "models"), AutoConfig.__module__)
+"""
+
+
+def test_transformers_import_structure_is_read_from_the_model_folders_once_then_from_disk(tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    first = _child(_STRUCTURE)[-2:]
+    entries = sorted(p.name for p in (tmp_path / f"hymt-import-structure-{os.getuid()}").iterdir())
+    assert _child(_STRUCTURE)[-2:] == ["models read: 0", "as read now: True transformers.models.auto.configuration_auto"]
+    assert first == ["models read: 2", "as read now: True transformers.models.auto.configuration_auto"]
+    assert len(entries) >= 2 and all(e.endswith(".pickle") for e in entries)
