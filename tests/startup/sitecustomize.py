@@ -122,10 +122,13 @@ def _cache_import_structure(run, module) -> None:
         except (OSError, EOFError, pickle.UnpicklingError):
             pass
         structure = define(module_path, prefix)
-        store.mkdir(exist_ok=True)
         part = entry.with_suffix(f".{os.getpid()}")
-        part.write_bytes(pickle.dumps(structure))
-        os.replace(part, entry)  # a reader finds a whole entry or none
+        try:
+            store.mkdir(exist_ok=True)
+            part.write_bytes(pickle.dumps(structure))
+            os.replace(part, entry)  # a reader finds a whole entry or none
+        except OSError:  # a full or read-only temp dir: the next process scans again
+            part.unlink(missing_ok=True)
         return structure
 
     cached.uncached = define
