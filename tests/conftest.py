@@ -30,8 +30,8 @@ os.environ.pop("RAY_ADDRESS", None)
 
 REPO = Path(__file__).resolve().parents[1]
 #: Every Python process the suite starts runs tests/startup/sitecustomize.py (fewer full garbage collections
-#: while it imports torch and the rest, and three unused imports deferred to their first use); pytest's own
-#: process runs it here.
+#: while it imports torch and the rest, three unused imports deferred to their first use, transformers' import
+#: structure kept on disk); pytest's own process runs it here.
 STARTUP = REPO / "tests" / "startup"
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(STARTUP), os.environ.get("PYTHONPATH")]))
 runpy.run_path(str(STARTUP / "sitecustomize.py"))

@@ -110,12 +110,13 @@ def _cache_import_structure(run, module) -> None:
     run(module)
     define = module.define_import_structure
     store = Path(tempfile.gettempdir()) / f"hymt-import-structure-{os.getuid()}"
+    reader = f"{module.__file__}|{os.stat(module.__file__).st_mtime_ns}"
 
-    @functools.lru_cache
+    @functools.lru_cache  # as the original's: one structure per call, which transformers then extends
     def cached(module_path, prefix=None):
         folder = Path(module_path)
         folder = folder.parent if folder.is_file() else folder
-        key = f"{folder}|{prefix}|{module.__file__}|{os.stat(module.__file__).st_mtime_ns}|{folder.stat().st_mtime_ns}"
+        key = f"{folder}|{prefix}|{reader}|{folder.stat().st_mtime_ns}"
         entry = store / f"{hashlib.sha256(key.encode()).hexdigest()}.pickle"
         try:
             return pickle.loads(entry.read_bytes())
