@@ -42,7 +42,7 @@ def stage_of(op_name: str) -> str | None:
     between stages (a filter, a projection, a repartition)."""
     parts = op_name.split("->")
     if any(f"({fn.__name__})" in p for p in parts for fn in (pack_examples, as_single_rows)):
-        return "packing and writing" if parts[-1] == "Write" else "packing"
+        return "packing"  # hymt prepare writes each packed block as it comes (data.prepared)
     if any(f"({TokenizePairs.__name__})" in p for p in parts):
         return "tokenizing"
     if parts[0].startswith(f"Read{PREPARED_READER}"):

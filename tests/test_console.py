@@ -137,7 +137,7 @@ def test_prepare_draws_one_bar_of_its_own_and_verbose_brings_ray_datas_back(tmp_
     states = [s.strip() for s in re.split(r"[\r\n]+", console) if s.startswith("data: ")]
     assert re.fullmatch(r"data: done: 10390 pairs read, 10390 tokenized, 4/4 partitions packed \[\d\d:\d\d\]",
                         [s for s in states if s.startswith("data: done")][-1])
-    assert {"data: tokenizing", "data: packing and writing"} <= {s.split(":")[0] + ":" + s.split(":")[1] for s in states}
+    assert {"data: tokenizing", "data: packing"} <= {s.split(":")[0] + ":" + s.split(":")[1] for s in states}
     # One bar: its many states are redrawn over each other (\r) on one line, which moves down only when a
     # log line goes above it ("prepared dataset written to ...") and when it closes.
     assert len(set(states)) >= 5

@@ -204,6 +204,15 @@ def _within(fetched: int, trained: float, share: float) -> bool:
     return trained <= fetched <= 1.05 * share + BLOCK
 
 
+def _stream_ids(cfg, train) -> list[list[int]]:
+    """Every training row's example ids, in the stream order the ranks' lanes are cut from: the blocks of
+    ``train`` in the object store, or the prepared dataset's row groups (``data.prepared_path``)."""
+    from raytrain_hymt.data.blocks import RowFetcher, train_blocks
+
+    fetch = RowFetcher(train_blocks(cfg, train))
+    return [ids.tolist() for ids in fetch([(0, fetch.total_rows)])["example_ids"]]
+
+
 RESUME_AT, RESUME_STEPS = 6, 12  # the 2-worker run checkpoints at step 6 (inside window 1), fails at 7
 
 
@@ -246,7 +255,8 @@ def runs(ray_session, tmp_path_factory):
     finally:
         mp.undo()
     records = {name: _records(root / f"record-{name}", plan[name][0]) for name in plan}
-    return {"rows": rows, "per_epoch": per_epoch, "records": records}
+    streams = {"m4": _stream_ids(cfg("m4", 4), built[0]), "p4": _stream_ids(cfg("p4", 4, **plan["p4"][1]), None)}
+    return {"rows": rows, "per_epoch": per_epoch, "records": records, "streams": streams}
 
 
 @pytest.mark.integration
@@ -261,7 +271,8 @@ def test_each_of_4_ranks_fetches_a_quarter_of_the_rows_per_epoch_from_the_object
                   f"({recs[-1]['bytes_fetched']} bytes) of {rows}")
             assert _within(fetched, per_epoch * GLOBAL_ROWS / 4, rows / 4), (name, rank, fetched, rows)
             assert recs[-1]["blocks_fetched"] * BLOCK >= fetched  # blocks of at most one lane
-    # From the object store or from Parquet, the same rows in the same batches.
+    # From the object store or from Parquet, the same rows in the same order, so in the same batches.
+    assert runs["streams"]["m4"] == runs["streams"]["p4"]
     assert _global_ids(runs["records"]["m4"]) == _global_ids(runs["records"]["p4"])
 
 

@@ -2,10 +2,10 @@
 
 Layout of a prepared dataset (a local folder or any pyarrow filesystem URI)::
 
-    <out>/manifest.json                      written last: the commit (see below)
-    <out>/stats.json                         a copy of the manifest's statistics and settings, for people
-    <out>/<write id>/train/<…>_<task:06>-<n>.parquet   training rows, in order
-    <out>/<write id>/val/...                 validation rows, in order
+    <out>/manifest.json                         written last: the commit (see below)
+    <out>/stats.json                            a copy of the manifest's statistics and settings, for people
+    <out>/<write id>/train/<block:06>.parquet   training rows, one block (one lane) a file, in order
+    <out>/<write id>/val/<block:06>.parquet     validation rows, in order
 
 Object stores have no rename, so the manifest is the commit: it lists the dataset's files in row
 order, with the statistics, the settings the rows depend on (``prepared_with``), the data fingerprint of
@@ -27,7 +27,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import re
 import uuid
 from dataclasses import asdict
 
@@ -36,7 +35,7 @@ from raytrain_hymt.data.epochs import block_rows
 from raytrain_hymt.data.files import open_random_access
 from raytrain_hymt.data.sources import ReadUnit, read_units
 from raytrain_hymt.errors import DataSourceError
-from raytrain_hymt.data.stats import DataStats, fill_row_stats
+from raytrain_hymt.data.stats import DataStats
 from raytrain_hymt.storage import is_uri
 
 log = logging.getLogger(__name__)
@@ -46,6 +45,8 @@ STATS_FILE = "stats.json"
 MANIFEST_FORMAT = 1
 #: The name of the operator that reads prepared rows back (``Read<name>``; not pairs of a corpus).
 PREPARED_READER = "PreparedRows"
+#: Blocks being written at once (the stream waits for one to finish beyond that).
+_WRITES_IN_FLIGHT = 16
 
 
 class PreparedDatasetExists(DataSourceError):
@@ -104,14 +105,45 @@ def _entries(out: str) -> list:
     return fs.get_file_info(pafs.FileSelector(inner, allow_not_found=True))
 
 
-def _written_files(out: str, folder: str) -> list[str]:
-    """The Parquet files this prepare wrote into its own fresh ``folder``, relative to ``out``, in row order."""
-    import pyarrow.fs as pafs
+def _write_block(block, fs, path: str) -> None:
+    """Write one block as the Parquet file ``path`` of ``fs``, one row group (in a Ray task)."""
+    import pyarrow.parquet as pq
+    from ray.data.block import BlockAccessor
 
-    fs, inner = filesystem(_join(out, folder))
-    infos = fs.get_file_info(pafs.FileSelector(inner, allow_not_found=True))
-    names = sorted((i.base_name for i in infos if i.is_file and i.base_name.endswith(".parquet")), key=_file_order)
-    return [f"{folder}/{n}" for n in names]
+    pq.write_table(BlockAccessor.for_block(block).to_arrow(), path, filesystem=fs)
+
+
+def _write_in_order(rows, out: str, folder: str) -> tuple[list[str], int]:
+    """Write block n of ``rows`` (a Ray Dataset) as ``<folder>/<n:06>.parquet`` of ``out``, a few blocks at
+    a time in Ray tasks: the files' names, relative to ``out``, in row order, and the number of rows.
+
+    The order is the one ``iter_internal_ref_bundles`` gives, the one a training rank reads from the
+    object store (:mod:`raytrain_hymt.data.blocks`). Not ``Dataset.write_parquet``: it numbers files by
+    write task, and Ray 2.60's Parquet sink writes the blocks of one task with pyarrow's threaded
+    ``write_dataset`` without ``preserve_order``, which may write them in another order
+    (tests/test_pipeline.py shows it); a prepared dataset once gave other batches than the object store
+    in a CI run of tests/test_rank_reading.py."""
+    import pyarrow.fs as pafs
+    import ray
+
+    fs, inner = filesystem(_join(out, folder))  # resolved here, as for the manifest: one set of credentials
+    if isinstance(fs, pafs.LocalFileSystem):  # object stores have no folders
+        fs.create_dir(inner, recursive=True)
+    write = ray.remote(_write_block)
+    names, pending, count = [], [], 0
+    for bundle in rows.iter_internal_ref_bundles():
+        for entry in bundle.blocks:
+            if not entry.metadata.num_rows:
+                continue
+            name = f"{len(names):06}.parquet"
+            names.append(f"{folder}/{name}")
+            pending.append(write.remote(entry.ref, fs, _join(inner, name)))
+            count += entry.metadata.num_rows
+            if len(pending) >= _WRITES_IN_FLIGHT:  # the stream waits, holding few blocks
+                done, pending = ray.wait(pending, num_returns=1)
+                ray.get(done)
+    ray.get(pending)
+    return names, count
 
 
 def _manifest_id(record: dict) -> str:
@@ -123,14 +155,14 @@ def write_prepared(cfg: Config, out: str, train, val, stats: DataStats, fingerpr
     with a new manifest and delete what an earlier dataset left; the statistics with the row counts."""
     write_id = f"w-{uuid.uuid4().hex[:12]}"
     # Packed from the materialized, ordered examples straight into files: the packed rows are never
-    # materialized as a whole. Row groups of one lane each (data.blocks): a training rank reads only
-    # the row groups of its own lanes.
+    # materialized as a whole. Files of one lane each (data.blocks): a training rank reads only the
+    # files of its own lanes.
     group = block_rows(cfg, stats)
-    train.repartition(target_num_rows_per_block=group, strict=True).write_parquet(
-        _join(out, f"{write_id}/train"), row_group_size=group)
-    val.write_parquet(_join(out, f"{write_id}/val"))
-    files = {split: _written_files(out, f"{write_id}/{split}") for split in ("train", "val")}
-    stats = fill_row_stats(stats, *_read_files(out, files))
+    train = train.repartition(target_num_rows_per_block=group, strict=True)
+    files, counts = {}, {}
+    for split, rows in (("train", train), ("val", val)):
+        files[split], counts[split] = _write_in_order(rows, out, f"{write_id}/{split}")
+    stats.train_rows, stats.val_rows = counts["train"], counts["val"]
     record = {"format": MANIFEST_FORMAT, "files": files, "stats": asdict(stats), "prepared_with": prepared_with(cfg),
               "fingerprint": fingerprint}
     manifest = {"id": _manifest_id(record), **record}
@@ -165,13 +197,6 @@ def _delete_all_but(out: str, keep: set[str]) -> None:
                 fs.delete_dir(entry.path)
             else:
                 fs.delete_file(entry.path)
-
-
-def _file_order(name: str) -> tuple:
-    """write_parquet names files ``..._<task index:06>-<file in task>.parquet``; in that numeric order
-    they hold the dataset's rows in order (plain string order would put ``-10`` before ``-2``)."""
-    m = re.search(r"_(\d+)-(\d+)\.parquet$", name)
-    return (int(m.group(1)), int(m.group(2)), name) if m else (-1, -1, name)
 
 
 def _row_groups(path: str):
