@@ -133,7 +133,7 @@ def _write_in_order(rows, out: str, folder: str) -> tuple[list[str], int]:
     names, pending, count = [], [], 0
     for bundle in rows.iter_internal_ref_bundles():
         for entry in bundle.blocks:
-            if not entry.metadata.num_rows:
+            if entry.metadata.num_rows == 0:  # an empty block makes no file
                 continue
             name = f"{len(names):06}.parquet"
             names.append(f"{folder}/{name}")
