@@ -50,6 +50,6 @@ class DataStats:
 
 
 def fill_row_stats(stats: DataStats, train, val) -> DataStats:
-    """Count the rows of executed (materialized, or written) train/val datasets into ``stats``."""
+    """Count the rows of materialized train/val datasets into ``stats``."""
     stats.train_rows, stats.val_rows = train.count(), val.count()
     return stats
