@@ -36,6 +36,35 @@ STARTUP = REPO / "tests" / "startup"
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(STARTUP), os.environ.get("PYTHONPATH")]))
 runpy.run_path(str(STARTUP / "sitecustomize.py"))
 
+
+def _start_worker_zygote() -> None:
+    """Starts tests/startup/worker_zygote.py, from which the Ray workers of this session's processes are forked
+    (``HYMT_TEST_WORKER_ZYGOTE=off`` starts every worker as usual), and stops it when the session ends."""
+    import atexit
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    if os.environ.get("HYMT_TEST_WORKER_ZYGOTE"):  # "off", or a session's zygote this process shares
+        return
+    folder = tempfile.mkdtemp(prefix="hymt-zygote-")  # short: a socket's path has at most 107 bytes
+    path = os.path.join(folder, "socket")
+    with open(path + ".stderr", "w") as stderr:
+        zygote = subprocess.Popen([sys.executable, str(STARTUP / "worker_zygote.py"), path],
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr)
+    os.environ["HYMT_TEST_WORKER_ZYGOTE"] = path
+
+    def stop():
+        zygote.kill()
+        zygote.wait()
+        shutil.rmtree(folder, ignore_errors=True)
+
+    atexit.register(stop)
+
+
+_start_worker_zygote()
+
 #: Small real data shipped with the tests, each with its source and license (``tests/assets/*/SOURCE.md``),
 #: so that a fresh clone runs every data test; a missing file fails the test that reads it.
 ASSETS = REPO / "tests" / "assets"

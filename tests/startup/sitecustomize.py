@@ -27,6 +27,9 @@ import in a fresh interpreter, and 1.2 of the 2.1 CPU-s of loading the tiny toke
 One result is kept on disk for the processes after: the import structure transformers builds by reading
 its model folders, 0.55 of the 3.3 CPU-s of ``from transformers import AutoConfig`` and loading the
 model's module (``_cache_import_structure``).
+
+A Ray worker process does not import torch, transformers and DeepSpeed itself when the session runs a
+zygote that has: it runs in a child forked from it (worker_zygote.py, started by conftest.py).
 """
 
 import functools
@@ -161,3 +164,10 @@ class _Deferring(importlib.abc.MetaPathFinder):
 
 
 sys.meta_path.insert(0, _Deferring())  # ahead of the standard finders
+
+# A Ray worker (the raylet runs `python .../default_worker.py ARGS`) runs in a child of the session's zygote
+# when there is one, and starts as usual otherwise (worker_zygote.py).
+if sys.argv and sys.argv[0].endswith("default_worker.py"):
+    from worker_zygote import start_in_zygote
+
+    start_in_zygote()
