@@ -15,10 +15,12 @@ import pytest
 
 from conftest import STARTUP
 
-#: What a worker prints first: whether it found torch imported before its own code ran, and who its parent is.
+#: What a worker prints first: whether it found torch and Ray imported before its own code ran, and who its
+#: parent is.
 _REPORT = """
 import os, sys
-print("torch before me:", "torch" in sys.modules, "parent:", os.getppid(), "argv:", sys.argv[1:], flush=True)
+print("torch, ray before me:", "torch" in sys.modules, "ray" in sys.modules, "parent:", os.getppid(),
+      "argv:", sys.argv[1:], flush=True)
 """
 
 
@@ -49,28 +51,52 @@ def _worker(tmp_path, socket, code: str, **env: str) -> subprocess.Popen:
 
 def test_a_worker_runs_in_a_child_of_the_zygote_as_it_would_alone(zygote, tmp_path):
     process, socket = zygote
+    # Ray sets OMP_NUM_THREADS for a worker's CPUs before the worker's code imports torch.
     code = """
+os.environ["OMP_NUM_THREADS"] = "1"
 import torch
 print("cwd:", os.getcwd() == sys.argv[0].rsplit("/", 1)[0], "path[0]:", sys.path[0] == os.getcwd())
 print("env:", os.environ["HYMT_PROBE"], "threads:", torch.get_num_threads())
 print("to stderr", file=sys.stderr)
 sys.exit(3)
 """
-    worker = _worker(tmp_path, socket, code, HYMT_PROBE="probe", OMP_NUM_THREADS="1")
+    worker = _worker(tmp_path, socket, code, HYMT_PROBE="probe")
     out, err = worker.communicate(timeout=60)
     assert out.splitlines() == [
-        f"torch before me: True parent: {process.pid} argv: ['--flag=1']",
+        f"torch, ray before me: True False parent: {process.pid} argv: ['--flag=1']",
         "cwd: True path[0]: True",
         "env: probe threads: 1",
     ]
     assert err.splitlines()[-1] == "to stderr" and worker.returncode == 3
 
 
+def test_a_raylets_workers_run_in_children_of_that_raylets_zygote_which_has_imported_ray(zygote, tmp_path):
+    process, socket = zygote
+    raylet = subprocess.Popen(["sleep", "60"])  # stands in for a raylet: the workers' RAY_RAYLET_PID
+    env = {"RAY_RAYLET_PID": str(raylet.pid), "RAY_JOB_ID": "01000000"}
+    firsts = []
+    for _ in range(2):
+        out, _ = _worker(tmp_path, socket, "", **env).communicate(timeout=60)
+        firsts.append(out.split())
+    assert firsts[0] == firsts[1]
+    assert firsts[0][:4] == ["torch,", "ray", "before", "me:"] and firsts[0][4:6] == ["True", "True"]
+    raylet_zygote = int(firsts[0][7])
+    assert raylet_zygote != process.pid
+    assert f"raylet zygote {raylet_zygote} for RAY_JOB_ID=01000000 RAY_RAYLET_PID={raylet.pid}" in (
+        socket.parent / "socket.log").read_text()
+    raylet.kill()
+    raylet.wait()
+    deadline = time.monotonic() + 10  # a raylet's zygote ends with its raylet
+    while _alive(raylet_zygote) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(raylet_zygote)
+
+
 def test_a_worker_with_another_environment_starts_as_usual(zygote, tmp_path):
     _, socket = zygote
     worker = _worker(tmp_path, socket, "", TRANSFORMERS_VERBOSITY="error")
     out, _ = worker.communicate(timeout=60)
-    assert out.splitlines() == [f"torch before me: False parent: {os.getpid()} argv: ['--flag=1']"]
+    assert out.splitlines() == [f"torch, ray before me: False False parent: {os.getpid()} argv: ['--flag=1']"]
     assert worker.returncode == 0
     assert "declined" in (socket.parent / "socket.log").read_text().splitlines()[-1]
 
