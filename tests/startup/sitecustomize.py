@@ -28,8 +28,8 @@ One result is kept on disk for the processes after: the import structure transfo
 its model folders, 0.55 of the 3.3 CPU-s of ``from transformers import AutoConfig`` and loading the
 model's module (``_cache_import_structure``).
 
-A Ray worker process does not import torch, transformers, DeepSpeed and Ray itself when the session runs
-a zygote that has: it runs in a child forked from it (worker_zygote.py, started by conftest.py).
+A Ray worker process does not import torch, transformers and DeepSpeed itself when the session runs a
+zygote that has: it runs in a child forked from it (worker_zygote.py, started by conftest.py).
 """
 
 import functools

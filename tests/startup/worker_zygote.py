@@ -1,33 +1,33 @@
-"""Ray's Python workers of the test suite, forked from processes that have imported torch, transformers,
-DeepSpeed and Ray already, instead of each importing them afresh.
+"""Ray's Python workers of the test suite, forked from one process that has imported torch, transformers and
+DeepSpeed already, instead of each importing them afresh.
 
 Every actor and training worker of every fit is a new Python process (Ray never hands an actor a pooled
-one), and much of what it spends before its first call is imports: ~4 CPU-s of ``import torch,
-transformers, deepspeed, pandas`` in a training worker, ~1.5 more for Ray, Ray Data and Ray Train, which
-every controller, dataset manager and tokenizer actor pays too (docs/suite-time.md). The suite starts a
-few hundred of them on two cores. The product does not ship this: it changes how the suite's worker
-processes come to exist, not what they run.
+one), and much of what it spends before its first call is imports: ~3.5 of the ~4 CPU-s of ``import
+torch, transformers, deepspeed, pandas`` in a training worker, ~1 s of every controller's, and numpy,
+pandas and pyarrow in every other actor (docs/suite-time.md). The suite starts a few hundred of them on two
+cores. The product does not ship this: it changes how the suite's worker processes come to exist, not what
+they run.
 
 How: conftest.py starts ``python worker_zygote.py SOCKET`` (the *zygote*) and puts SOCKET in
 ``HYMT_TEST_WORKER_ZYGOTE``, which every Ray the suite starts passes on to its workers. When a raylet execs
 ``python default_worker.py ARGS``, sitecustomize.py calls ``start_in_zygote()`` before Ray's code: that
-process (the *stand-in*) sends its argv, environment, ``sys.path``, cwd and standard streams to the zygote.
-A child forked from a zygote takes them on and runs ``default_worker.py`` as ``__main__``; it registers
-with Ray under its own pid, in a process group of its own, so that is the process Ray and the tests signal
-and kill. The stand-in forwards the signals it gets to the child and ends as the child ended; a zygote
-kills a child whose stand-in was killed.
+process (the *stand-in*) sends its argv, environment, ``sys.path``, cwd and standard streams to the zygote,
+which forks a child that takes them on and runs ``default_worker.py`` as ``__main__``. The child registers
+with Ray under its own pid, in a process group of its own as the raylet gives a worker, so that is the
+process Ray and the tests signal and kill. The stand-in forwards the signals it gets to the child and ends
+as the child ended; the zygote kills a child whose stand-in was killed.
 
-The zygote imports no Ray: Ray's C++ config reads the job id and the raylet's pid from the environment once
-per process, and Ray's Python constants read theirs at import. So the first worker of each raylet (each
-set of ``RAY_*`` variables) gets a zygote of its own, forked from the first, which takes on that worker's
-environment, imports Ray, Ray Data and Ray Train, and forks that raylet's workers; it ends with its raylet.
+The zygote imports no Ray. Ray's C++ side keeps state from import on: its config reads the job id and the
+raylet's pid from the environment once per process, and with Ray imported before the fork (a zygote per
+raylet, tried on 2026-12-07) an asyncio actor's worker failed Ray's check ``erased == 1`` in
+``CoreWorker::ExecuteTask`` at its first task (the DatasetManager of a fit that splits a dataset).
 
-A zygote declines, and the worker starts as usual, when the worker's environment differs from the first
+A zygote declines, and the worker starts as usual, when the worker's environment differs from the
 zygote's in a variable outside ``_PER_WORKER`` (the libraries read some once, at import), when its
 interpreter differs (another venv), when a folder put first on its ``sys.path`` (PYTHONPATH, a job's
 working_dir) holds a module the zygote imported, or when its standard streams are not all open. A worker
-that finds no zygote starts as usual too. ``SOCKET.log`` lists every zygote, fork, exit (with the child's
-CPU-s) and decline.
+that finds no zygote starts as usual too. ``SOCKET.log`` lists every fork, exit (with the child's CPU-s)
+and decline.
 """
 
 from __future__ import annotations
@@ -43,10 +43,11 @@ import sys
 #: Variables (names, or prefixes) a worker's environment may hold with other values than the zygote's: Ray's
 #: and MLflow's (the zygote imports neither), ours, and those read only when used (inductor's cache folder,
 #: torch's CUDA check and process groups, setproctitle's first call, S3 clients, Tune's note to Lightning,
-#: ``breakpoint()``, the terminal's size, pytest's current test).
-_PER_WORKER = ("RAY_", "MLFLOW_", "HYMT_", "AWS_", "NCCL_", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES",
-               "TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK", "SPT_NOENV", "PL_DISABLE_FORK",
-               "PYTHONBREAKPOINT", "COLUMNS", "LINES", "PYTEST_CURRENT_TEST", "SHLVL", "_")
+#: ``breakpoint()``, the terminal's size, pytest's current test). PYTHONPATH's effect, ``sys.path``, is
+#: compared by itself.
+_PER_WORKER = ("RAY_", "MLFLOW_", "HYMT_", "AWS_", "NCCL_", "PYTHONPATH", "OMP_NUM_THREADS",
+               "CUDA_VISIBLE_DEVICES", "TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK", "SPT_NOENV",
+               "PL_DISABLE_FORK", "PYTHONBREAKPOINT", "COLUMNS", "LINES", "PYTEST_CURRENT_TEST", "SHLVL", "_")
 #: The signals a stand-in passes on to its child.
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 _INT = struct.Struct("!i")
@@ -111,28 +112,20 @@ def _read_int(conn: socket.socket) -> int | None:
     return _INT.unpack(data)[0]
 
 
-def _recv_request(conn: socket.socket, fd_count: int = 3) -> tuple[dict, list[int]]:
-    """A request and the file descriptors sent with it; EOFError when ``conn`` closed instead."""
-    head, ancdata, _flags, _addr = conn.recvmsg(_INT.size, socket.CMSG_SPACE(fd_count * _INT.size))
+def _recv_request(conn: socket.socket) -> tuple[dict, list[int]]:
+    head, ancdata, _flags, _addr = conn.recvmsg(_INT.size, socket.CMSG_SPACE(3 * _INT.size))
     fds = array.array("i")
     for level, kind, data in ancdata:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
-    if not head:
-        raise EOFError("closed")
     (size,) = _INT.unpack(head)
     body = b""
     while len(body) < size:
         chunk = conn.recv(size - len(body))
         if not chunk:
-            raise EOFError("closed inside a request")
+            raise EOFError("the stand-in closed its request")
         body += chunk
     return pickle.loads(body), list(fds)
-
-
-def _send_request(conn: socket.socket, request: dict, fds: list[int]) -> None:
-    body = pickle.dumps(request)
-    conn.sendmsg([_INT.pack(len(body)) + body], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
 
 
 def _declines(request: dict, env: dict[str, str], search_path: list[str], imported: set[str]) -> str | None:
@@ -166,220 +159,70 @@ def _hidden(folders: list[str], imported: set[str]) -> str | None:
     return None
 
 
-def _ray_key(env: dict[str, str]) -> tuple | None:
-    """The Ray variables a worker's Ray reads once (its C++ config: the job id, the raylet's pid; Ray's
-    Python constants), when it has a raylet: the workers of one raylet share them."""
-    if not env.get("RAY_RAYLET_PID"):
-        return None
-    return tuple(sorted((k, v) for k, v in env.items() if k.startswith("RAY_")))
-
-
-class _Forker:
-    """Forks the children of one zygote and tells each stand-in how its child ended."""
-
-    def __init__(self, log, set_by_imports: dict[str, str]):
-        import selectors
-
-        self.log = log
-        self.set_by_imports = set_by_imports
-        self.selector = selectors.DefaultSelector()
-        self.children: dict[int, socket.socket] = {}  # pid -> its stand-in's connection
-        self.others: list = []  # what a child must close besides the above: listeners, other zygotes' ends
-
-    def fork(self, request: dict, fds: list[int], conn: socket.socket) -> bool:
-        """True in the child, which has become the worker of ``request``."""
-        pid = os.fork()
-        if pid == 0:
-            self._close_all(but=conn)
-            _take_on(request, fds, conn, self.set_by_imports)
-            return True
-        self.log.write(f"forked {pid}\n")
-        for fd in fds:
-            os.close(fd)
-        self.children[pid] = conn
-        self.selector.register(conn, 1, "stand-in")
-        _send(conn, pid)
-        return False
-
-    def closed_stand_in(self, conn: socket.socket) -> None:
-        """``conn`` became readable: a stand-in's connection reads only at its end, when it was killed."""
-        if not conn.recv(1):
-            self.selector.unregister(conn)
-            _kill(next(pid for pid, theirs in self.children.items() if theirs is conn))
-
-    def reap(self) -> list[tuple[int, int]]:
-        """Tells the stand-ins of the children that ended; returns the pids and wait statuses of the other
-        children that ended."""
-        others = []
-        while True:
-            try:
-                pid, status, usage = os.wait4(-1, os.WNOHANG)
-            except ChildProcessError:
-                return others
-            if pid == 0:
-                return others
-            self.log.write(f"exit {pid} {status} {usage.ru_utime + usage.ru_stime:.2f}\n")
-            conn = self.children.pop(pid, None)
-            if conn is None:
-                others.append((pid, status))
-                continue
-            try:
-                self.selector.unregister(conn)
-            except KeyError:  # unregistered when its stand-in was killed
-                pass
-            _send(conn, status)
-            conn.close()
-
-    def _close_all(self, but: socket.socket | None = None) -> None:
-        for other in (*self.children.values(), *self.others):
-            if other is not but:
-                other.close()
-        self.selector.close()
-
-
 def serve(path: str, search_path: list[str], env: dict[str, str]) -> dict:
-    """Serves the stand-ins that connect to ``path``. Returns only in a forked child, with the request it is
-    to run; exits when the process that started the zygote has ended.
+    """Forks a child per request and tells each stand-in how its child ended. Returns only in a child, with
+    the request it is to run; exits when the process that started it has ended."""
+    import selectors
 
-    A worker of a raylet goes to that raylet's own zygote (``_serve_raylet``), forked from this one the
-    first time, which has imported Ray too; others are forked here."""
     set_by_imports = {k: v for k, v in os.environ.items() if k not in env}
     imported = {name.partition(".")[0] for name in sys.modules}
     parent = os.getppid()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
-    forker = _Forker(open(path + ".log", "a", buffering=1), set_by_imports)
-    forker.selector.register(listener, 1, "listener")
-    raylets: dict[tuple, tuple[int, socket.socket]] = {}  # Ray key -> (pid, our end) of that raylet's zygote
-    failed: set[tuple] = set()  # the Ray keys whose zygote could not import Ray
-    forker.others += [listener, forker.log]
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ)
+    children: dict[int, socket.socket] = {}  # pid -> its stand-in's connection
+    log = open(path + ".log", "a", buffering=1)
     while os.getppid() == parent:
-        for key, _ in forker.selector.select(timeout=0.1):
-            if key.data == "stand-in":
-                forker.closed_stand_in(key.fileobj)
+        for key, _ in selector.select(timeout=0.1):
+            if key.fileobj is not listener:  # a stand-in's connection reads only at its end: it was killed
+                if not key.fileobj.recv(1):
+                    selector.unregister(key.fileobj)
+                    _kill(next(pid for pid, conn in children.items() if conn is key.fileobj))
                 continue
             conn, _ = listener.accept()
             try:
                 request, fds = _recv_request(conn)
             except (OSError, EOFError, pickle.UnpicklingError) as e:
-                forker.log.write(f"unreadable request: {e!r}\n")
+                log.write(f"unreadable request: {e!r}\n")
                 conn.close()
                 continue
             reason = _declines(request, env, search_path, imported)
             if reason:
-                forker.log.write(f"declined {request['argv'][0]}: {reason}\n")
+                log.write(f"declined {request['argv'][0]}: {reason}\n")
                 _send(conn, 0)
-                conn.close()
-                for fd in fds:
-                    os.close(fd)
-                continue
-            ray_key = _ray_key(request["env"])
-            if ray_key in failed:
-                ray_key = None
-            if ray_key is not None and ray_key not in raylets:
-                ours, theirs = socket.socketpair()
+            else:
                 pid = os.fork()
                 if pid == 0:
-                    ours.close()
-                    forker._close_all(but=None)
-                    for fd in fds:
-                        os.close(fd)
-                    conn.close()
-                    return _serve_raylet(theirs, request["env"], search_path, forker.log.name, set_by_imports)
-                theirs.close()
-                forker.log.write(f"raylet zygote {pid} for RAY_JOB_ID={request['env'].get('RAY_JOB_ID')} "
-                                 f"RAY_RAYLET_PID={request['env']['RAY_RAYLET_PID']}\n")
-                raylets[ray_key] = (pid, ours)
-                forker.others.append(ours)
-            if ray_key is not None:
-                try:
-                    _send_request(raylets[ray_key][1], request, [conn.fileno(), *fds])
-                except OSError:  # that zygote is gone: this one forks the worker, without Ray imported
-                    pass
-                else:
-                    conn.close()
-                    for fd in fds:
-                        os.close(fd)
-                    continue
-            if forker.fork(request, fds, conn):
-                return request
-        for pid, status in forker.reap():
-            for ray_key, (zygote, ours) in list(raylets.items()):
-                if zygote == pid:
-                    del raylets[ray_key]
-                    forker.others.remove(ours)
-                    ours.close()
-                    if status:
-                        failed.add(ray_key)
-    for pid in forker.children:
+                    for other in (listener, log, *children.values()):
+                        other.close()
+                    selector.close()
+                    _take_on(request, fds, conn, set_by_imports)
+                    return request
+                log.write(f"forked {pid}\n")
+                children[pid] = conn
+                selector.register(conn, selectors.EVENT_READ)
+                _send(conn, pid)
+            for fd in fds:
+                os.close(fd)
+            if reason:
+                conn.close()
+        while children:
+            pid, status, usage = os.wait4(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            log.write(f"exit {pid} {status} {usage.ru_utime + usage.ru_stime:.2f}\n")
+            conn = children.pop(pid)
+            try:
+                selector.unregister(conn)
+            except KeyError:  # unregistered when its stand-in was killed
+                pass
+            _send(conn, status)
+            conn.close()
+    for pid in children:
         _kill(pid)
     os._exit(0)
-
-
-def _serve_raylet(requests: socket.socket, env: dict[str, str], search_path: list[str], log_path: str,
-                  set_by_imports: dict) -> dict:
-    """The zygote of one raylet's workers: imports Ray with their Ray variables, then forks a child per
-    request the first zygote passes on (with the stand-in's connection). Returns only in a child; exits
-    once the raylet or the first zygote has ended and its children have."""
-    os.environ.clear()
-    os.environ.update(env)
-    for key, value in set_by_imports.items():
-        os.environ.setdefault(key, value)
-    before = dict(os.environ)
-    try:
-        import ray  # noqa: F401
-        import ray._private.node  # noqa: F401
-        import ray.data  # noqa: F401
-        import ray.train.torch  # noqa: F401
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-        os._exit(1)
-    set_by_imports = {**set_by_imports, **{k: v for k, v in os.environ.items() if k not in before}}
-    imported = {name.partition(".")[0] for name in sys.modules}
-    forker = _Forker(open(log_path, "a", buffering=1), set_by_imports)
-    forker.selector.register(requests, 1, "requests")
-    forker.others += [requests, forker.log]
-    raylet = int(env["RAY_RAYLET_PID"])
-    open_for_requests = True
-    while open_for_requests or forker.children:
-        for key, _ in forker.selector.select(timeout=0.1):
-            if key.data == "stand-in":
-                forker.closed_stand_in(key.fileobj)
-                continue
-            try:
-                request, fds = _recv_request(requests, fd_count=4)
-            except (OSError, EOFError, pickle.UnpicklingError):
-                forker.selector.unregister(requests)
-                open_for_requests = False
-                continue
-            conn = socket.socket(fileno=fds[0])
-            hidden = _hidden(request["path"][: len(request["path"]) - len(search_path)], imported)
-            if hidden:
-                forker.log.write(f"declined {request['argv'][0]}: {hidden}\n")
-                _send(conn, 0)
-                conn.close()
-                for fd in fds[1:]:
-                    os.close(fd)
-            elif forker.fork(request, fds[1:], conn):
-                return request
-        forker.reap()
-        if open_for_requests and not _alive(raylet):
-            forker.selector.unregister(requests)
-            open_for_requests = False
-    os._exit(0)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
 
 
 def _send(conn: socket.socket, value: int) -> None:
@@ -468,12 +311,10 @@ if __name__ == "__main__":
     env = dict(os.environ)  # as a stand-in's is, before the imports set their own
     _import_what_workers_import()
     socket_path = sys.argv[1]
-    zygote = os.getpid()
     try:
         request = serve(socket_path, search_path, env)
     except BaseException:
-        if os.getpid() == zygote:
-            os.unlink(socket_path)
+        os.unlink(socket_path)
         raise
     import runpy
 
