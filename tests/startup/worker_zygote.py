@@ -43,11 +43,12 @@ import sys
 #: Variables (names, or prefixes) a worker's environment may hold with other values than the zygote's: Ray's
 #: and MLflow's (the zygote imports neither), ours, and those read only when used (inductor's cache folder,
 #: torch's CUDA check and process groups, setproctitle's first call, S3 clients, Tune's note to Lightning,
-#: ``breakpoint()``, the terminal's size, pytest's current test). PYTHONPATH's effect, ``sys.path``, is
-#: compared by itself.
+#: ``breakpoint()``, the terminal's size, pytest's current test, the shell's PATH and folders). PYTHONPATH's
+#: effect, ``sys.path``, is compared by itself.
 _PER_WORKER = ("RAY_", "MLFLOW_", "HYMT_", "AWS_", "NCCL_", "PYTHONPATH", "OMP_NUM_THREADS",
                "CUDA_VISIBLE_DEVICES", "TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK", "SPT_NOENV",
-               "PL_DISABLE_FORK", "PYTHONBREAKPOINT", "COLUMNS", "LINES", "PYTEST_CURRENT_TEST", "SHLVL", "_")
+               "PL_DISABLE_FORK", "PYTHONBREAKPOINT", "COLUMNS", "LINES", "PYTEST_CURRENT_TEST", "PATH", "PWD",
+               "OLDPWD", "SHLVL", "_")
 #: The signals a stand-in passes on to its child.
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 _INT = struct.Struct("!i")
