@@ -106,3 +106,14 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_a_stand_in_gone_before_its_request_leaves_the_zygote_serving(zygote, tmp_path):
+    import socket as sockets
+
+    process, socket = zygote
+    with sockets.socket(sockets.AF_UNIX, sockets.SOCK_STREAM) as early:
+        early.connect(str(socket))
+    out, _ = _worker(tmp_path, socket, "").communicate(timeout=60)
+    assert out.split()[:7] == ["torch,", "ray", "before", "me:", "True", "False", "parent:"]
+    assert out.split()[7] == str(process.pid)

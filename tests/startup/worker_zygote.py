@@ -105,8 +105,8 @@ def _read_int(conn: socket.socket) -> int | None:
     while len(data) < _INT.size:
         try:
             chunk = conn.recv(_INT.size - len(data))
-        except InterruptedError:
-            continue
+        except OSError:  # reset: the other side is gone, as when it closed
+            return None
         if not chunk:
             return None
         data += chunk
@@ -119,6 +119,8 @@ def _recv_request(conn: socket.socket) -> tuple[dict, list[int]]:
     for level, kind, data in ancdata:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+    if len(head) < _INT.size:  # a stand-in killed before it sent its request
+        raise EOFError("the stand-in closed before its request")
     (size,) = _INT.unpack(head)
     body = b""
     while len(body) < size:
