@@ -198,8 +198,8 @@ def bench_loop(loop_config: dict, context=None, shard=None) -> None:
     import torch
     import torch.distributed as dist
 
-    from raytrain_hymt.ranks import rank_rows
-    from raytrain_hymt.worker import LoopInputs, Worker
+    from raytrain_hymt.data.epochs import rank_rows
+    from raytrain_hymt.train.worker import LoopInputs, Worker
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     bench = loop_config.pop("bench")
@@ -303,7 +303,7 @@ def model_folder(shape: str, layers: int, tied: bool, workdir: Path, use_gpu: bo
     loads a real one (a model built from its config would train in train mode and hide what a loaded one
     does): ``folder`` when given and present, else a random-init one written once (the tiny shape, or the
     Hunyuan-7B shape with ``layers`` layers, in bf16) to ``folder`` or under ``workdir``."""
-    from raytrain_hymt.model import hunyuan_7b_config, load_model
+    from raytrain_hymt.train.model import hunyuan_7b_config, load_model
     from raytrain_hymt.tokenizer import RANDOM_PREFIX, TINY_MODEL, load_tokenizer
 
     if shape not in ("7b", "tiny"):
@@ -357,7 +357,7 @@ def _slug(text: str) -> str:
 
 
 def _run_ray(cfg, train, val, loop_inputs: dict) -> None:
-    from raytrain_hymt.trainer import build_trainer
+    from raytrain_hymt.driver.train import build_trainer
 
     build_trainer(cfg, train, val, loop_inputs, loop=bench_loop, train_shard=True).fit()
 
@@ -394,8 +394,8 @@ def run_benchmark(case_specs: list[str], *, shape: str = "7b", layers: int = 32,
     ``<out_dir>/table.md``. A failing case (e.g. out of memory) is recorded with its error; the rest run.
     ``profile``: one more step per case under ``torch.profiler`` (GPU), summarised in the case's ``profile``
     (:mod:`benchmarks.profile_step`)."""
-    from raytrain_hymt.config import load_config
-    from raytrain_hymt.session import init_ray
+    from raytrain_hymt.config.schema import load_config
+    from raytrain_hymt.driver.session import init_ray
 
     cases = [parse_case(s) for s in case_specs]
     out = Path(out_dir).resolve()
@@ -460,7 +460,7 @@ def document_mask_check(device: str = "cuda", attn_implementation: str = "flex_a
     import torch
 
     from raytrain_hymt.data.packing import collate, pack_examples
-    from raytrain_hymt.model import load_model
+    from raytrain_hymt.train.model import load_model
     from raytrain_hymt.tokenizer import load_tokenizer
 
     tok = load_tokenizer("tiny")

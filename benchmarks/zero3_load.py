@@ -28,7 +28,7 @@ from benchmarks.rank_exit import end_rank
 def save_model_folder(folder: Path, layers: int | None, gpu: bool) -> int:
     """Write a random-init model folder (``layers`` of the 7B shape, untied like Hunyuan-MT-7B; None: the
     tiny model) in bf16; returns its parameter count."""
-    from raytrain_hymt.model import hunyuan_7b_config, load_model
+    from raytrain_hymt.train.model import hunyuan_7b_config, load_model
     from raytrain_hymt.tokenizer import RANDOM_PREFIX, load_tokenizer
 
     tokenizer = load_tokenizer("tiny")
@@ -91,9 +91,9 @@ def _rank(rank: int, world: int, port: int, folder: str, partitioned: bool, gpu:
     else:
         torch.cuda.set_device(rank)
     dist.init_process_group("nccl" if gpu else "gloo", rank=rank, world_size=world)
-    from raytrain_hymt.config import load_config
-    from raytrain_hymt.engine import build_ds_config, initialize_engine
-    from raytrain_hymt.model import load_model
+    from raytrain_hymt.config.schema import load_config
+    from raytrain_hymt.train.engine import build_ds_config, initialize_engine
+    from raytrain_hymt.train.model import load_model
     from raytrain_hymt.tokenizer import load_tokenizer
 
     cfg = load_config(None, ["deepspeed.zero_stage=3", "deepspeed.precision=bf16", f"model.name_or_path={folder}",

@@ -55,7 +55,7 @@ def _init_process_group(gpu: bool, rank: int, world: int, port: int) -> None:
 def _shape(layers: int, tied: bool, vocab: int | None) -> dict:
     """config.json of the Hunyuan-MT-7B width at ``layers``; ``vocab``: a smaller vocabulary (its special
     tokens moved inside it)."""
-    from raytrain_hymt.model import hunyuan_7b_config
+    from raytrain_hymt.train.model import hunyuan_7b_config
 
     small = {} if vocab is None else {"vocab_size": vocab, "pad_token_id": vocab - 2, "eos_token_id": vocab - 1}
     return hunyuan_7b_config(layers, tie_word_embeddings=tied, **small)
@@ -73,7 +73,7 @@ def shape_params(shape: dict) -> int:
 
 
 def _model(layers: int | None, gpu: bool, dtype, folder: Path, tied: bool, vocab: int | None):
-    from raytrain_hymt.model import load_model
+    from raytrain_hymt.train.model import load_model
     from raytrain_hymt.tokenizer import RANDOM_PREFIX, load_tokenizer
 
     tokenizer = load_tokenizer("tiny")
@@ -104,9 +104,9 @@ def _checkpoint_figures(rank: int, world: int, port: int, layers: int | None, gp
     several ranks only rank 0 checks and restores, from its own folder (the others' files are elsewhere)."""
     import torch
 
-    from raytrain_hymt.checkpoint import RunState, check_checkpoint, restore_rank, save_rank_checkpoint, step_tag
-    from raytrain_hymt.config import load_config
-    from raytrain_hymt.engine import initialize_engine
+    from raytrain_hymt.train.checkpoint import RunState, check_checkpoint, restore_rank, save_rank_checkpoint, step_tag
+    from raytrain_hymt.config.schema import load_config
+    from raytrain_hymt.train.engine import initialize_engine
 
     _init_process_group(gpu, rank, world, port)
     cfg = load_config(None, [f"deepspeed.precision={precision}", f"deepspeed.zero_stage={zero_stage}",
@@ -203,7 +203,7 @@ def _convert(_, folder: str, tag: str, out: Path) -> tuple[float, float]:
     memory (GiB) of this process and of the workers it started."""
     import resource
 
-    from raytrain_hymt.reshard import convert_to_universal
+    from raytrain_hymt.train.checkpoint import convert_to_universal
 
     seconds = convert_to_universal(folder, tag, out, 1)
     peak_kib = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))

@@ -44,7 +44,7 @@ import pyarrow as pa
 # Under `ray job submit` the working dir is the repo but the package may not be installed there.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from raytrain_hymt.sample import SAMPLE_CORPUS  # noqa: E402
+from raytrain_hymt.data.files import SAMPLE_CORPUS  # noqa: E402
 
 
 #: Pairs of the start-up measurement (scale 0): enough to run every stage, too few to take time.
@@ -140,8 +140,8 @@ class MemorySampler:
 
 
 def _config(path: Path, actors: int):
-    from raytrain_hymt.config import load_config
-    from raytrain_hymt.config_sections import SourceConfig
+    from raytrain_hymt.config.schema import load_config
+    from raytrain_hymt.config.schema import SourceConfig
 
     cfg = load_config(None, [f"data.tokenize_actors={actors}"])
     cfg.data.sources = [SourceConfig(path=str(path), format="tatoeba")]
@@ -152,8 +152,8 @@ def run_ray(path: Path, out: Path, actors: int) -> dict:
     """``prepare_dataset`` on a fresh local Ray: seconds, counts, peak memory."""
     import ray
 
-    from raytrain_hymt.prepare import prepare_dataset
-    from raytrain_hymt.quiet import quiet_ray
+    from raytrain_hymt.driver.train import prepare_dataset
+    from raytrain_hymt.console.quiet import quiet_ray
 
     quiet_ray()
     ray.init(address="local", num_cpus=max(4, actors + 2), include_dashboard=False)

@@ -1,4 +1,4 @@
-"""Decoding speed of the one generation function (``raytrain_hymt.generation``) on a model folder,
+"""Decoding speed of the one generation function (``raytrain_hymt.evaluation.generation``) on a model folder,
 before (transformers' ``generate``, dynamic cache) and after (static cache, CUDA-graph decoding step).
 
     python3 jobs/bench_generation.py --model-dir /dev/shm/hymt-8b --untied --lora --test-set DIR
@@ -81,7 +81,8 @@ def main(argv=None) -> int:
     import transformers
 
     from benchmarks.throughput import model_folder
-    from raytrain_hymt.generation import load_generator, translate_all
+    from raytrain_hymt.evaluation.generation import translate_all
+    from raytrain_hymt.train.model import load_generator
 
     gpu = torch.cuda.is_available()
     folder = model_folder("7b", args.layers, not args.untied, Path("/tmp"), gpu, args.model_dir)
@@ -89,8 +90,8 @@ def main(argv=None) -> int:
     gen = load_generator(folder, "bf16" if gpu else "fp32", args.new_tokens, use_gpu=gpu)
     load_s = time.perf_counter() - t0
     if args.lora:
-        from raytrain_hymt.config import load_config
-        from raytrain_hymt.engine import apply_lora
+        from raytrain_hymt.config.schema import load_config
+        from raytrain_hymt.train.engine import apply_lora
 
         gen.model = apply_lora(gen.model, load_config("hy-mt-7b-lora").lora).to(gen.device).eval()
     sentence = "The committee will meet again next week to discuss the new proposal for the city budget."
@@ -110,7 +111,7 @@ def main(argv=None) -> int:
               "device": torch.cuda.get_device_name(0) if gpu else "cpu", "load_s": load_s,
               "transformers": transformers.__version__, "torch": torch.__version__}
     config = gen.model.generation_config
-    import raytrain_hymt.generation as generation
+    import raytrain_hymt.evaluation.generation as generation
 
     for name, static, compiled in (("generate", False, False), ("static", True, False), ("static_compiled", True, True)):
         generation.COMPILE_STEP = compiled
@@ -127,7 +128,7 @@ def main(argv=None) -> int:
         result[name]["speedup_warm"] = result["generate"]["warm_ms_per_step"] / result[name]["warm_ms_per_step"]
     result["agreement"] = agreement(gen, gen.encode(sources, *langs), args.margin)  # the compiled decoder's
     if args.test_set:
-        from raytrain_hymt.testsets import load_test_set, plan_rows
+        from raytrain_hymt.evaluation.scoring import load_test_set, plan_rows
 
         rows = plan_rows(load_test_set(args.test_set), args.directions, args.sentences)
         columns = [[r[k] for r in rows] for k in ("src", "src_lang", "tgt_lang")]

@@ -5,7 +5,7 @@ Run once by maintainers; the result is committed so every machine gets the same 
 """
 
 from raytrain_hymt.tokenizer import TINY_TOKENIZER_DIR, build_tiny_tokenizer
-from raytrain_hymt.sample import SAMPLE_CORPUS
+from raytrain_hymt.data.files import SAMPLE_CORPUS
 
 
 def main() -> None:

@@ -7,8 +7,8 @@ import logging
 import os
 import sys
 
-from raytrain_hymt.config import load_config
-from raytrain_hymt.config_run import run_name_problem
+from raytrain_hymt.config.schema import load_config
+from raytrain_hymt.config.schema import run_name_problem
 from raytrain_hymt.errors import ConfigError
 
 log = logging.getLogger("raytrain_hymt")
@@ -16,7 +16,7 @@ log = logging.getLogger("raytrain_hymt")
 
 def _config_args(parser: argparse.ArgumentParser, name_help: str = "run name; the same name resumes that run") -> None:
     parser.add_argument("--config", "-c", default=None,
-                        help="preset name (raytrain_hymt/presets/NAME.yaml) or YAML file; default tiny-cpu")
+                        help="preset name (raytrain_hymt/config/presets/NAME.yaml) or YAML file; default tiny-cpu")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                         help="override one config field (repeatable), e.g. --set optim.lr=3e-5")
     parser.add_argument("--name", default=None, help=name_help)
@@ -31,8 +31,8 @@ def _load(args) -> object:
 
 def cmd_train(args) -> int:
     """Train (or resume) a run and print where its results are."""
-    from raytrain_hymt.trainer import run_training
-    from raytrain_hymt.runs import finished_summary
+    from raytrain_hymt.driver.train import run_training
+    from raytrain_hymt.driver.runs import finished_summary
 
     cfg = _load(args)
     done = finished_summary(cfg)
@@ -47,8 +47,8 @@ def cmd_train(args) -> int:
 
 def cmd_prepare(args) -> int:
     """Run the data pipeline once and write training-ready rows to Parquet."""
-    from raytrain_hymt import data_progress
-    from raytrain_hymt.prepare import prepare_dataset
+    from raytrain_hymt.console import progress as data_progress
+    from raytrain_hymt.driver.train import prepare_dataset
     from raytrain_hymt.data.preflight import check_inputs
 
     cfg = _load(args)
@@ -62,8 +62,11 @@ def cmd_prepare(args) -> int:
 
 def cmd_export(args) -> int:
     """Export a Hugging Face model folder from any checkpoint (in a Ray task, streaming shard by shard)."""
-    from raytrain_hymt.export_task import export_stored_checkpoint
+    from raytrain_hymt.config.schema import Config
+    from raytrain_hymt.driver.session import init_ray
+    from raytrain_hymt.train.export import export_stored_checkpoint
 
+    init_ray(Config())  # joins the cluster in RAY_ADDRESS or starts a local Ray
     out, peak_gib = export_stored_checkpoint(args.checkpoint, args.out, max_shard_mb=args.max_shard_mb,
                                              adapter_out=args.adapter)
     print(f"exported {args.checkpoint} to {out}  (AutoModelForCausalLM.from_pretrained loads it; "
@@ -75,7 +78,7 @@ def cmd_export(args) -> int:
 
 def cmd_tune(args) -> int:
     """Search learning rates (and more) with Ray Tune; each trial is a full training run."""
-    from raytrain_hymt.tune import run_search
+    from raytrain_hymt.driver.tune import run_search
 
     result = run_search(_load(args))
     print("\n".join(result.lines()))
@@ -85,7 +88,7 @@ def cmd_tune(args) -> int:
 def cmd_evaluate(args) -> int:
     """BLEU/chrF of a finished run's model (``--name``) or any model (``--model``) on a test set."""
     from raytrain_hymt.data.preflight import model_problem
-    from raytrain_hymt.evaluate import evaluate_run
+    from raytrain_hymt.driver.evaluate import evaluate_run
 
     if args.model and (problem := model_problem("--model", args.model)):
         raise ConfigError(problem)
@@ -115,7 +118,7 @@ def cmd_evaluate(args) -> int:
 
 def _default_to_trained_directions(cfg, args) -> None:
     """A run is scored in the directions it trained unless --directions, --set or its config chose others."""
-    from raytrain_hymt.config import EvalConfig
+    from raytrain_hymt.config.schema import EvalConfig
     from raytrain_hymt.data.preflight import trained_directions
 
     chosen = args.directions or any(o.split("=", 1)[0].strip() == "eval.directions" for o in args.overrides)
@@ -130,7 +133,7 @@ def _rerun_command(argv: list[str], exc: KeyboardInterrupt) -> str:
     """The command line that continues an interrupted run (its generated name added when it had none)."""
     import shlex
 
-    from raytrain_hymt.interrupt import Interrupted
+    from raytrain_hymt.driver.resume import Interrupted
 
     if isinstance(exc, Interrupted) and exc.run and "--name" not in argv:
         argv = [*argv, "--name", exc.run]
@@ -139,7 +142,7 @@ def _rerun_command(argv: list[str], exc: KeyboardInterrupt) -> str:
 
 def cmd_translate(args) -> int:
     """Translate sentences (arguments, a file or stdin) and write them in the same order."""
-    from raytrain_hymt.translate import read_input, translate_lines
+    from raytrain_hymt.driver.translate import read_input, translate_lines
 
     cfg = _load(args)
     lines = read_input(args.sentences, args.input, sys.stdin)
@@ -159,7 +162,7 @@ def cmd_plot(args) -> int:
     """A PNG of a run's losses, BLEU/chrF, learning rate and throughput (and of runs compared with it)."""
     from pathlib import Path
 
-    from raytrain_hymt.plot import plot_runs
+    from raytrain_hymt.driver.plot import plot_runs
 
     cfg = _load(args)
     out = args.out or str(Path(cfg.run.storage_path, args.run, "plot.png"))
@@ -234,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:  # a run stopped cleanly (interrupt.fit): say how to go on, no traceback
-        from raytrain_hymt.interrupt import Interrupted
+        from raytrain_hymt.driver.resume import Interrupted
 
         if not isinstance(e, Interrupted):
             print(f"interrupted; run again with: {_rerun_command(argv, e)}", file=sys.stderr)

@@ -19,7 +19,7 @@ def build_cpu_ops(names: tuple[str, ...] = CPU_OPS) -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from deepspeed.accelerator import get_accelerator
 
-    from raytrain_hymt.ds_ops import use_this_environments_ninja
+    from raytrain_hymt.train.engine import use_this_environments_ninja
 
     use_this_environments_ninja()  # the ninja every later run finds, or each would build the ops again
 

@@ -3,67 +3,28 @@
 from __future__ import annotations
 
 import os
-import runpy
 from pathlib import Path
 
 import pytest
 
-# Before anything imports deepspeed or starts Ray (both read these once).
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# Ray reads these once, when it starts. A stopped trial's or a failed worker's detection waits for this
+# interval: 0.25 s instead of Ray's 2 s lets the failure tests end sooner.
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
-# Ray Train starts a preemption-watcher actor (a process of its own, ~1.5 CPU-s here) with every fit; it only
-# logs node drains, which no test's fit has (the two-node test kills its node with SIGKILL).
+# Ray Train starts a preemption-watcher actor with every fit; it only logs node drains, which no test's fit
+# has (the two-node test kills its node with SIGKILL).
 os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Two daemons of every Ray the suite starts poll on this 2-core machine's time. The log monitor globs its log
-# folder every 0.1 s while it holds < 1000 files; at threshold 0 it does every 0.5 s (a new worker's log is
-# still read from its first line). The dashboard agent measures every Ray process's CPU and memory every 5 s
-# for the dashboard's node view, which no test reads. Over a whole suite the session cluster's log monitor
-# spent 215 CPU-s, most of it globbing (docs/suite-time.md).
+# The dashboard's node view and Prometheus metrics, which no test reads, poll every Ray process of this
+# 2-core machine: the log monitor every 0.5 s instead of 0.1 s, the reporter every minute, no metrics.
 os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
 os.environ.setdefault("REPORTER_UPDATE_INTERVAL_MS", "60000")
-# Every Ray process also records and exports metrics for the dashboard's Prometheus view, which no test reads:
-# without them a subset of the suite took 8% less of the machine's CPU (docs/suite-time.md).
 os.environ.setdefault("RAY_enable_metrics_collection", "0")
+# A test's tracking and cluster come from its config and fixtures, never from the machine's environment.
 os.environ.pop("MLFLOW_TRACKING_URI", None)
 os.environ.pop("RAY_ADDRESS", None)
 
 REPO = Path(__file__).resolve().parents[1]
-#: Every Python process the suite starts runs tests/startup/sitecustomize.py (fewer full garbage collections
-#: while it imports torch and the rest, three unused imports deferred to their first use, transformers' import
-#: structure kept on disk); pytest's own process runs it here.
-STARTUP = REPO / "tests" / "startup"
-os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(STARTUP), os.environ.get("PYTHONPATH")]))
-runpy.run_path(str(STARTUP / "sitecustomize.py"))
-
-
-def _start_worker_zygote() -> None:
-    """Starts tests/startup/worker_zygote.py, from which the Ray workers of this session's processes are forked
-    (``HYMT_TEST_WORKER_ZYGOTE=off`` starts every worker as usual), and stops it when the session ends."""
-    import atexit
-    import shutil
-    import subprocess
-    import sys
-    import tempfile
-
-    if os.environ.get("HYMT_TEST_WORKER_ZYGOTE"):  # "off", or a session's zygote this process shares
-        return
-    folder = tempfile.mkdtemp(prefix="hymt-zygote-")  # short: a socket's path has at most 107 bytes
-    path = os.path.join(folder, "socket")
-    with open(path + ".stderr", "w") as stderr:
-        zygote = subprocess.Popen([sys.executable, str(STARTUP / "worker_zygote.py"), path],
-                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr)
-    os.environ["HYMT_TEST_WORKER_ZYGOTE"] = path
-
-    def stop():
-        zygote.kill()
-        zygote.wait()
-        shutil.rmtree(folder, ignore_errors=True)
-
-    atexit.register(stop)
-
-
-_start_worker_zygote()
+TESTS = Path(__file__).resolve().parent
 
 #: Small real data shipped with the tests, each with its source and license (``tests/assets/*/SOURCE.md``),
 #: so that a fresh clone runs every data test; a missing file fails the test that reads it.
@@ -79,8 +40,8 @@ def ray_session():
     """One local Ray for the whole session (starting Ray costs seconds; every integration test shares it)."""
     import ray
 
-    from raytrain_hymt.quiet import quiet_ray
-    from raytrain_hymt.session import start_local_ray
+    from raytrain_hymt.console.quiet import quiet_ray
+    from raytrain_hymt.driver.session import start_local_ray
 
     quiet_ray()
     # 2 training workers + tokenizer actors + a second concurrent job need more logical CPUs than 2 cores.
@@ -117,6 +78,11 @@ def two_node_cluster(_two_node_session):
 
 
 def pytest_collection_modifyitems(config, items):
+    # tests/integration starts Ray, DeepSpeed's processes, MLflow servers or the CLI as a subprocess;
+    # tests/unit starts none of them (its guard below fails a unit test that starts Ray).
+    for item in items:
+        if (TESTS / "integration") in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.integration)
     users = [item.nodeid for item in items if "two_node_cluster" in getattr(item, "fixturenames", ())]
     _LAST_CLUSTER_USER[:] = users[-1:]
 
@@ -133,7 +99,7 @@ def pytest_runtest_teardown(item, nextitem):
 def tiny_overrides(storage: Path, **extra: object) -> list[str]:
     """``--set`` overrides for a short tiny-cpu run stored under ``storage``: packed rows of 256 tokens
     (the preset's longest example) instead of 1024, a quarter of the preset's step time on a CPU worker
-    (tests/test_default_job.py runs the preset itself)."""
+    (tests/integration/test_default_job.py runs the preset itself)."""
     values = {
         "run.storage_root": str(storage),
         "data.pack_tokens": 256,
@@ -152,7 +118,7 @@ def save_model_folder(folder: Path, **shape: object) -> str:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from raytrain_hymt.model import tiny_model_config
+    from raytrain_hymt.train.model import tiny_model_config
     from raytrain_hymt.tokenizer import load_tokenizer, padded_vocab_size
 
     tok = load_tokenizer("tiny")
@@ -173,12 +139,23 @@ def finished_run(ray_session, tmp_path_factory):
     """One finished 20-step tiny run named ``e2e`` (checkpoints, MLflow, export, BLEU/chrF on FLORES at
     steps 10 and 20 and at the end),
     shared by the end-to-end and evaluation tests: ``(storage root, TrainingSummary)``."""
-    from raytrain_hymt.config import load_config
-    from raytrain_hymt.trainer import run_training
+    from raytrain_hymt.config.schema import load_config
+    from raytrain_hymt.driver.train import run_training
 
     storage = tmp_path_factory.mktemp("runs")
     extra = {"run.name": "e2e", "eval.test_set": FLORES_DEVTEST, **E2E_EVAL,
-             # BLEU during training on the rows the end-of-run evaluation scores (tests/test_train_bleu.py).
+             # BLEU during training on the rows the end-of-run evaluation scores (tests/integration/test_train_bleu.py).
              "eval.bleu_every_steps": 10, "eval.bleu_sentences": E2E_EVAL["eval.max_sentences"]}
     summary = run_training(load_config(None, tiny_overrides(storage, **extra)))
     return storage, summary
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_start_no_ray(request):
+    """A test under tests/unit that leaves Ray started in this process fails: it belongs in tests/integration."""
+    yield
+    if (TESTS / "unit") in Path(str(request.node.fspath)).parents:
+        import sys
+
+        ray = sys.modules.get("ray")
+        assert ray is None or not ray.is_initialized(), f"{request.node.nodeid} started Ray: move it to tests/integration"

@@ -1,4 +1,4 @@
-"""What tests/test_fault_tolerance.py and its two-node driver (tests/two_node_run.py) share."""
+"""What tests/integration/test_fault_tolerance.py and its two-node driver (tests/two_node_run.py) share."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A driver process for the loopback cluster's training tests (tests/test_fault_tolerance.py).
+"""A driver process for the loopback cluster's training tests (tests/integration/test_fault_tolerance.py).
 
 ``python tests/two_node_run.py ADDRESS STORAGE_URI NAME OUT_JSON [section.field=value ...]`` connects to
 the Ray cluster at ADDRESS (the ``two_node_cluster`` fixture's GCS), trains the 10-step run NAME of
@@ -24,9 +24,9 @@ def main(address: str, storage: str, name: str, out_json: str, *sets: str) -> No
     import ray
 
     import raytrain_hymt.storage as run_storage
-    from raytrain_hymt.config import load_config
-    from raytrain_hymt.quiet import quiet_ray
-    from raytrain_hymt.trainer import run_training
+    from raytrain_hymt.config.schema import load_config
+    from raytrain_hymt.console.quiet import quiet_ray
+    from raytrain_hymt.driver.train import run_training
 
     run_storage.STAGING_ROOT = Path(out_json).parent / "staging"  # keep the driver's local copies in the test's folder
     quiet_ray()

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from raytrain_hymt.config import Config
+from raytrain_hymt.config.schema import Config
 from raytrain_hymt.data.packing import object_array
 
 @dataclass

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from raytrain_hymt.config_sections import DataConfig
+from raytrain_hymt.config.schema import DataConfig
 from raytrain_hymt.languages import UnsupportedLanguageError, is_supported, resolve
 
 DROP_REASONS = (
@@ -63,7 +63,7 @@ class CleaningRules:
     """Which pairs :func:`clean_batch` marks for dropping. Lengths are in characters after normalisation.
 
     The fields of the same names are ``data.*`` settings, documented and defaulted once in
-    :class:`~raytrain_hymt.config_sections.DataConfig`; the defaults here are read from there.
+    :class:`~raytrain_hymt.config.schema.DataConfig`; the defaults here are read from there.
     """
 
     min_chars: int = _DATA_DEFAULTS["min_chars"]

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from raytrain_hymt.config import Config
+    from raytrain_hymt.config.schema import Config
     from raytrain_hymt.data.stats import DataStats
 
 #: ``fetch(ranges)``: the rows of the stream ranges ``[(start, stop), ...]``, concatenated in that order,
@@ -41,11 +41,6 @@ Fetch = Callable[[list[tuple[int, int]]], dict[str, np.ndarray]]
 def window_rows(shuffle_rows: int, global_rows: int) -> int:
     """Rows per window: ``shuffle_rows`` rounded down to whole global batches (at least one)."""
     return max(1, shuffle_rows // global_rows) * global_rows
-
-
-def lane_rows(shuffle_rows: int, global_rows: int) -> int:
-    """Rows of one lane of a whole window: the block size that lets every rank fetch whole blocks."""
-    return window_rows(shuffle_rows, global_rows) // global_rows
 
 
 def block_rows(cfg: Config, stats: DataStats | None = None) -> int:
@@ -64,8 +59,15 @@ def block_rows(cfg: Config, stats: DataStats | None = None) -> int:
 
 def rank_lanes(rank: int, world: int, accum: int, micro_batch: int) -> list[int]:
     """Positions of the global batch (lanes) that ``rank`` trains, in micro-step order: micro-step
-    ``a`` takes positions ``[(a·world + rank)·b, (a·world + rank + 1)·b)`` (``ranks.rank_slice``)."""
-    return [(a * world + rank) * micro_batch + i for a in range(accum) for i in range(micro_batch)]
+    ``a`` takes positions ``[(a·world + rank)·b, (a·world + rank + 1)·b)`` (:func:`rank_slice`)."""
+    return [lane_start(a, rank, world, micro_batch) + i for a in range(accum) for i in range(micro_batch)]
+
+
+def lane_start(micro: int, rank: int, world: int, micro_batch: int) -> int:
+    """The first position of the global batch that ``rank`` trains in micro-step ``micro``: the one
+    formula of the rank layout, which the fetch (:func:`rank_lanes`) and the slicing (:func:`rank_slice`)
+    both follow."""
+    return (micro * world + rank) * micro_batch
 
 
 def epoch_windows(total_rows: int, window: int) -> list[tuple[int, int]]:
@@ -123,3 +125,35 @@ def batches(fetch: Fetch, total_rows: int, window: int, global_rows: int, lanes:
                     yield epoch, index, {k: v[take] for k, v in rows.items()}
                 index += 1
         epoch, skip = epoch + 1, 0
+
+
+def rank_slice(global_batch: dict[str, np.ndarray], micro: int, rank: int, world: int, micro_batch: int) -> dict:
+    """Rows of ``global_batch`` that ``rank`` trains on in micro-step ``micro``.
+
+    Layout: micro-step a of rank r takes rows ``[(a·world + r)·b, (a·world + r + 1)·b)``, so with one
+    micro-step per optimizer step rank r holds the r-th contiguous block of the global batch.
+    """
+    start = lane_start(micro, rank, world, micro_batch)
+    return {k: v[start : start + micro_batch] for k, v in global_batch.items()}
+
+
+def rank_rows(global_batch: dict[str, np.ndarray], rank: int, world: int, grad_accum: int, micro_batch: int) -> dict:
+    """The rows of a whole ``global_batch`` that ``rank`` trains, as ``Worker.train_step`` takes them
+    (what the rank would have fetched itself: its lanes, in micro-step order)."""
+    take = rank_lanes(rank, world, grad_accum, micro_batch)
+    return {k: v[take] for k, v in global_batch.items()}
+
+
+def micro_slice(rows: dict[str, np.ndarray], micro: int, micro_batch: int) -> dict:
+    """Micro-step ``micro`` of a rank's rows (``rank_rows``, or the rows the rank fetched)."""
+    return {k: v[micro * micro_batch : (micro + 1) * micro_batch] for k, v in rows.items()}
+
+
+def steps_per_epoch(train_rows: int, world: int, grad_accum: int, micro_batch: int) -> int:
+    """Optimizer steps in one pass (the incomplete last global batch is dropped on every rank alike)."""
+    return train_rows // (world * grad_accum * micro_batch)
+
+
+def rank_example_ids(rows: dict) -> list[int]:
+    """Example ids of a rank's rows (every packed row's examples)."""
+    return [int(e) for row in rows["example_ids"] for e in row]

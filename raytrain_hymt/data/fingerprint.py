@@ -22,8 +22,8 @@ import hashlib
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
-from raytrain_hymt.config import Config, DataConfig
-from raytrain_hymt.config_sections import SourceConfig
+from raytrain_hymt.config.schema import Config, DataConfig
+from raytrain_hymt.config.schema import SourceConfig
 from raytrain_hymt.storage import is_uri
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,21 @@ are given).
 
 ``build_datasets`` materializes its results (each training rank then fetches its blocks from the object
 store, not the pipeline again). For corpora larger than the cluster's object store, ``hymt prepare`` writes the rows to
-Parquet once (:mod:`raytrain_hymt.prepare`, :mod:`raytrain_hymt.data.prepared`) and ``data.prepared_path`` streams them from there.
+Parquet once (:mod:`raytrain_hymt.driver.train`, :mod:`raytrain_hymt.data.prepared`) and ``data.prepared_path`` streams them from there.
+
+Ray Data actor pools (the tokenizers of the data pipeline, the translating replicas of evaluation)
+whose actors Ray never restarts.
+
+Ray Data starts every pool actor with ``max_restarts=-1`` unless told otherwise, and always hands it
+object references as constructor arguments (its DataContext and the fused map functions). Ray Core then
+prints, once per driver, an ERROR line from ``core_worker.cc``: "Actor with class name:
+'MapWorker(...)' ... has constructor arguments in the object store and max_restarts > 0"
+(ray-project/ray#53727, and #57733 for Ray Data). ``max_restarts=0`` removes that cause. It also means
+that a pool actor that dies (a crash in the tokenizer, an OOM kill) fails the execution with the error,
+where before the same batch was retried on a restarted actor without end (Ray Data also sets
+``max_task_retries=-1``), which turns a crash that repeats into a hang. An actor that dies while it is
+still starting is replaced by Ray Data either way. Ray 2.60 has no named parameter for this yet:
+``map_batches``' ``**ray_remote_args`` are deprecated for 2.64, hence the warning filter.
 """
 
 from __future__ import annotations
@@ -31,21 +45,28 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import warnings
 
 import numpy as np
 import pyarrow as pa
 
-from raytrain_hymt.config import Config, DataConfig
-from raytrain_hymt.data.actor_pool import map_on_actors
-from raytrain_hymt.data.cleaning import CleaningRules, check_bad_fraction, clean_batch, format_sample, pair_key, split_key
+from raytrain_hymt.config.schema import Config, DataConfig
+from raytrain_hymt.data.cleaning import (
+    CleaningRules,
+    check_bad_fraction,
+    clean_batch,
+    format_sample,
+    pair_key,
+    split_key,
+)
 from raytrain_hymt.data.epochs import block_rows
+from raytrain_hymt.data.files import file_size
 from raytrain_hymt.data.packing import as_single_rows, pack_examples
 from raytrain_hymt.data.prompts import expand_directions
 from raytrain_hymt.data.sources import plan_source, read_units
-from raytrain_hymt.errors import DataSourceError
-from raytrain_hymt.data.files import file_size
 from raytrain_hymt.data.stats import DataStats, fill_row_stats
 from raytrain_hymt.data.tokenize import TokenizePairs
+from raytrain_hymt.errors import DataSourceError
 
 log = logging.getLogger(__name__)
 
@@ -396,3 +417,12 @@ def build_datasets(cfg: Config):
     train = train.repartition(target_num_rows_per_block=block_rows(cfg, stats), strict=True).materialize()
     val = val.materialize()
     return train, val, fill_row_stats(stats, train, val)
+
+
+def map_on_actors(ds, fn, size: int, **map_args):
+    """``ds.map_batches(fn, **map_args)`` on a fixed pool of ``size`` actors that are never restarted."""
+    from ray.data import ActorPoolStrategy
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`ray_remote_args` is deprecated")
+        return ds.map_batches(fn, compute=ActorPoolStrategy(size=size), max_restarts=0, **map_args)

@@ -13,8 +13,8 @@ import json
 import os
 from pathlib import Path
 
-from raytrain_hymt.config import Config, DataConfig
-from raytrain_hymt.config_sections import SourceConfig
+from raytrain_hymt.config.schema import Config, DataConfig
+from raytrain_hymt.config.schema import SourceConfig
 from raytrain_hymt.errors import ConfigError
 from raytrain_hymt.data.sources import moses_pairs
 from raytrain_hymt.errors import DataSourceError

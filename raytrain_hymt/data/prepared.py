@@ -1,4 +1,4 @@
-"""Prepared datasets: the training rows of one ``hymt prepare`` (:mod:`raytrain_hymt.prepare`), kept as Parquet.
+"""Prepared datasets: the training rows of one ``hymt prepare`` (:mod:`raytrain_hymt.driver.train`), kept as Parquet.
 
 Layout of a prepared dataset (a local folder or any pyarrow filesystem URI)::
 
@@ -30,7 +30,7 @@ import logging
 import uuid
 from dataclasses import asdict
 
-from raytrain_hymt.config import Config
+from raytrain_hymt.config.schema import Config
 from raytrain_hymt.data.epochs import block_rows
 from raytrain_hymt.data.files import open_random_access
 from raytrain_hymt.data.sources import ReadUnit, read_units
@@ -121,8 +121,8 @@ def _write_in_order(rows, out: str, folder: str) -> tuple[list[str], int]:
     object store (:mod:`raytrain_hymt.data.blocks`). Not ``Dataset.write_parquet``: it numbers files by
     write task, and Ray 2.60's Parquet sink writes the blocks of one task with pyarrow's threaded
     ``write_dataset`` without ``preserve_order``, which may write them in another order
-    (tests/test_pipeline.py shows it); a prepared dataset once gave other batches than the object store
-    in a CI run of tests/test_rank_reading.py."""
+    (tests/integration/test_pipeline.py shows it); a prepared dataset once gave other batches than the object store
+    in a CI run of tests/integration/test_rank_reading.py."""
     import pyarrow.fs as pafs
     import ray
 

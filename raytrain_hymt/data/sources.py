@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from raytrain_hymt.config_sections import SourceConfig
+from raytrain_hymt.config.schema import SourceConfig
 from raytrain_hymt.data.files import FileName, count_lines, expand_paths, file_name, source_root
 from raytrain_hymt.data.readers import (PAIR_SCHEMA, Columns, arrow_stream_batches, delimited_parser, parquet_batches,
                                         read_batches, read_csv, read_jsonl, read_line_tables, read_moses,

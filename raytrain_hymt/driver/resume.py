@@ -1,0 +1,277 @@
+"""The resume-compatibility check: a re-submitted run must continue what its first submission started.
+
+The run's first ``config.yaml`` is kept. A re-submission is compared with it field by field
+(:func:`check_resume`); a difference in a field that changes the training trajectory (data, model,
+optimizer, schedule, batch: every field not in :data:`TRAJECTORY_FREE`) stops the run with one
+:class:`~raytrain_hymt.errors.ConfigError` naming the fields, unless ``run.allow_config_change`` is set.
+Every difference, allowed or not, is recorded in ``<run>/config-changes.jsonl``. Other comparisons (the
+data fingerprint) plug in by adding their own :class:`Difference` to the list given to :func:`enforce`.
+
+The data part of the resume check, on the driver: fingerprint the data, compare it with the newest
+checkpoint's, stop before training when it changed (``data.fingerprint``).
+
+Kept apart from the config check so that one resume-compatibility check (issue #14's) can call it with
+the same single override, ``run.allow_config_change``.
+
+Ctrl-C: stop the run cleanly and tell the user where its last checkpoint is and how to resume.
+
+Ray Train's ``fit()`` installs its own SIGINT handler (Ray 2.60, ``DataParallelTrainer.
+_register_sigint_handler``): it aborts the controller, after which ``fit()`` returns (or the handler
+exits the process with status 0), so no ``KeyboardInterrupt`` ever reaches the caller and the run would
+go on to export a half-trained model. :func:`fit` wraps that handler to remember the interrupt and turns
+the end of ``fit()`` into :class:`Interrupted`, which the command line reports in one line (exit 130).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import threading
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+import yaml
+
+from raytrain_hymt.config.schema import Config, flatten, to_yaml
+from raytrain_hymt.data.fingerprint import check_same_data, data_fingerprint
+from raytrain_hymt.errors import ConfigError
+from raytrain_hymt.storage import RunFolder
+
+log = logging.getLogger("raytrain_hymt")
+
+CONFIG_FILE = "config.yaml"
+CHANGES_FILE = "config-changes.jsonl"
+
+#: Fields a resumed run may change: they decide how the run is observed, stored, retried or how fast it
+#: runs, never which updates the weights get. A name ending in "." covers its whole section. Any field
+#: not listed changes the trajectory (so a new field is protected until someone lists it here).
+TRAJECTORY_FREE: tuple[str, ...] = (
+    "preset",
+    "tracking.",
+    "eval.",
+    "tune.",
+    "checkpoint.every_steps", "checkpoint.num_to_keep", "checkpoint.max_failures", "checkpoint.async_upload",
+    "run.storage_root", "run.export", "run.export_shard_mb", "run.allow_config_change", "run.name",
+    "scaling.num_workers", "scaling.min_workers", "scaling.elastic_resize_monitor_interval_s", "scaling.use_gpu",
+    "scaling.cpus_per_worker", "scaling.local_num_cpus", "scaling.env.",
+    "data.tokenize_actors", "data.tokenize_batch_size", "data.max_val_examples",
+    "model.compile", "model.fused_loss", "model.attn_implementation",
+    "deepspeed.activation_checkpointing", "deepspeed.overlap_comm", "deepspeed.reduce_bucket_size",
+    "deepspeed.offload_optimizer", "deepspeed.offload_param",
+)
+
+
+def changes_trajectory(field: str) -> bool:
+    """Whether a resumed run may not change ``field`` (a dotted config name) without the override."""
+    # "tune." also covers "tune" itself: an unset section flattens to one None value.
+    return not any(field == free.rstrip(".") or (free.endswith(".") and field.startswith(free)) for free in TRAJECTORY_FREE)
+
+
+@dataclass(frozen=True)
+class Difference:
+    """One way a re-submission differs from what its run started with."""
+
+    field: str
+    before: Any
+    after: Any
+    trajectory: bool
+    """True when the difference changes the training trajectory (needs ``run.allow_config_change``)."""
+
+
+_ABSENT = "(not set)"
+
+
+def check_resume(saved: dict, new: dict) -> list[Difference]:
+    """The differences between a run's first config and a re-submission's (both as plain dicts)."""
+    defaults = flatten(Config().model_dump(mode="json"))
+    before, after = flatten(saved), flatten(new)
+    diffs = []
+    # Only fields of the schema: a recorded non-config difference (a data fingerprint) is not one.
+    for field in sorted(set(after) | (set(before) & set(defaults))):
+        # A field the first config.yaml predates had its default then.
+        old = before.get(field, defaults.get(field, _ABSENT))
+        now = after.get(field, _ABSENT)
+        if old != now:
+            trajectory = changes_trajectory(field) and not (field == "data.sources" and _moved_only(old, now))
+            diffs.append(Difference(field, old, now, trajectory))
+    # The worker count may change (a run continues on the nodes it has), the global batch may not: without
+    # optim.global_batch_rows it is workers × accumulation × micro-batch, so a new count changes it.
+    rows = [_rows_per_step({**defaults, **flat}) for flat in (before, after)]
+    if rows[0] != rows[1]:
+        diffs.append(Difference(ROWS_PER_STEP, rows[0], rows[1], True))
+    return diffs
+
+
+#: The name a changed global batch is reported under (not a config field: it is derived from several).
+ROWS_PER_STEP = "global batch (rows per optimizer step)"
+
+
+def _rows_per_step(flat: dict) -> int:
+    fixed = flat.get("optim.global_batch_rows")
+    return fixed or flat["scaling.num_workers"] * flat["optim.grad_accum"] * flat["optim.micro_batch_size"]
+
+
+def _moved_only(old: Any, now: Any) -> bool:
+    """Whether two ``data.sources`` lists differ in their paths alone. Rows are named relative to their
+    source's root, so a corpus moved or mounted elsewhere trains the same rows; whether the files still
+    hold the same data is the data fingerprint's check (``resume_data``), which runs next."""
+    def strip(sources):
+        return [{k: v for k, v in s.items() if k != "path"} for s in sources] if isinstance(sources, list) else sources
+    return strip(old) == strip(now)
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value, ensure_ascii=False) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def enforce(diffs: list[Difference], run: str, allow: bool) -> None:
+    """Raise one :class:`ConfigError` when ``diffs`` change the trajectory and ``allow`` is off."""
+    blocking = [d for d in diffs if d.trajectory]
+    if not blocking or allow:
+        return
+    lines = "\n".join(f"  {d.field}: {_shown(d.before)} -> {_shown(d.after)}" for d in blocking)
+    raise ConfigError(
+        f"run {run!r} started with another config; resuming it with this one would change what it trains "
+        f"({len(blocking)} field{'s' if len(blocking) > 1 else ''}):\n{lines}\n"
+        f"Resume anyway with --set run.allow_config_change=true (the change is recorded in {CHANGES_FILE}), "
+        f"or start a new run with another --name."
+    )
+
+
+def record(folder, diffs: list[Difference], allowed: bool) -> None:
+    """Append one line to ``<run>/config-changes.jsonl`` and log the changed fields."""
+    if not diffs:
+        return
+    line = {"time": datetime.now(timezone.utc).isoformat(timespec="seconds"), "allowed": allowed,
+            "changes": [asdict(d) for d in diffs]}
+    text = folder.read_text(CHANGES_FILE) or ""
+    folder.write_text(CHANGES_FILE, text + json.dumps(line, ensure_ascii=False) + "\n")
+    log.info("resuming with changed config (recorded in %s): %s", CHANGES_FILE,
+             ", ".join(f"{d.field} {_shown(d.before)} -> {_shown(d.after)}" for d in diffs))
+
+
+def current_config(first: dict, changes: str | None) -> dict:
+    """The config a run last ran with, flat: its first ``config.yaml`` with every recorded change applied
+    (so a change accepted once is not asked about again)."""
+    current = flatten(first)
+    for line in (changes or "").splitlines():
+        for change in json.loads(line)["changes"]:
+            if change["field"] != ROWS_PER_STEP and (change["field"] in current or change["after"] != _ABSENT):
+                current[change["field"]] = change["after"]
+    return current
+
+
+def keep_first_config(folder, cfg: Config, extra: list[Difference] = ()) -> None:
+    """Write the run's ``config.yaml`` on its first submission; on a later one, check the new config
+    against it (plus ``extra`` differences, e.g. of the data) and record what changed. The first
+    ``config.yaml`` is never replaced."""
+    saved_text = folder.read_text(CONFIG_FILE)
+    if saved_text is None:
+        folder.write_text(CONFIG_FILE, to_yaml(cfg))
+        return
+    new = yaml.safe_load(to_yaml(cfg))  # the same YAML round trip as the saved one (tuples are lists)
+    diffs = check_resume(current_config(yaml.safe_load(saved_text) or {}, folder.read_text(CHANGES_FILE)), new)
+    diffs += list(extra)
+    enforce(diffs, cfg.run.name, cfg.run.allow_config_change)
+    record(folder, diffs, allowed=any(d.trajectory for d in diffs))
+
+
+def newest_checkpoint_state(folder: RunFolder) -> tuple[str, dict] | None:
+    """``(checkpoint folder name, its state.json)`` of the newest checkpoint in a run folder that has a
+    ``state.json``, or None for a run without checkpoints (a new run)."""
+    import pyarrow.fs
+
+    from raytrain_hymt.train.checkpoint import CHECKPOINT_DIR_RE, STATE_FILE
+
+    infos = folder.fs.get_file_info(pyarrow.fs.FileSelector(folder.path, allow_not_found=True))
+    found = []
+    for info in infos:
+        m = CHECKPOINT_DIR_RE.match(info.base_name)
+        if m and info.type == pyarrow.fs.FileType.Directory:
+            found.append(((int(m.group(1)), int(m.group(2) or 0)), info.base_name))
+    for _, name in sorted(found, reverse=True):
+        text = folder.read_text(f"{name}/{STATE_FILE}")
+        if text is not None:
+            return name, json.loads(text)
+    return None
+
+
+def check_resume_data(cfg: Config, folder: RunFolder) -> dict:
+    """The data fingerprint of ``cfg``, after checking that a resumed run (one with a checkpoint in
+    ``folder``) resumes on the data it trained on; see :func:`~raytrain_hymt.data.fingerprint.check_same_data`."""
+    fingerprint = data_fingerprint(cfg)
+    newest = newest_checkpoint_state(folder)
+    if newest is not None:
+        name, state = newest
+        check_same_data(state.get("data_fingerprint"), fingerprint, cfg.run.allow_config_change,
+                        where=f"{folder.uri}/{name}, step {state.get('step')}")
+    return fingerprint
+
+
+class Interrupted(KeyboardInterrupt):
+    """The user interrupted run ``run``; ``checkpoint``: its newest checkpoint, None if there is none."""
+
+    def __init__(self, run: str | None, checkpoint: str | None):
+        super().__init__(run, checkpoint)
+        self.run = run
+        self.checkpoint = checkpoint
+
+
+def latest_checkpoint(storage_path: str, name: str | None) -> str | None:
+    """The newest ``checkpoint_step*`` folder of run ``name``, or None (no run, no checkpoint yet)."""
+    import pyarrow.fs
+
+    from raytrain_hymt.storage import RunFolder
+    from raytrain_hymt.train.checkpoint import CHECKPOINT_DIR_RE
+
+    if not name:
+        return None
+    folder = RunFolder(storage_path, name, create=False)
+    try:
+        infos = folder.fs.get_file_info(pyarrow.fs.FileSelector(folder.path, allow_not_found=True))
+    except OSError:
+        return None
+    found = []
+    for info in infos:
+        m = CHECKPOINT_DIR_RE.match(info.base_name)
+        if m and info.type == pyarrow.fs.FileType.Directory:
+            found.append(((int(m.group(1)), int(m.group(2) or 0)), info.base_name))
+    return f"{folder.uri}/{max(found)[1]}" if found else None
+
+
+def fit(trainer, storage_path: str, name: str):
+    """``trainer.fit()``; a Ctrl-C during it aborts the run as Ray does, then raises :class:`Interrupted`."""
+    interrupts: list[int] = []
+    register = getattr(trainer, "_register_sigint_handler", None)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGINT) if main_thread else None
+
+    def register_and_wrap(controller):
+        register(controller)
+        ray_handler = signal.getsignal(signal.SIGINT)
+
+        def on_sigint(signum, frame):
+            interrupts.append(signum)
+            if callable(ray_handler):
+                ray_handler(signum, frame)
+
+        signal.signal(signal.SIGINT, on_sigint)
+
+    if register is not None:
+        trainer._register_sigint_handler = register_and_wrap
+    try:
+        result = trainer.fit()
+    except (Exception, SystemExit):  # Ray's handler may sys.exit(0) or the aborted run end with an error
+        if interrupts:
+            raise Interrupted(name, latest_checkpoint(storage_path, name)) from None
+        raise
+    finally:
+        if main_thread and previous is not None:  # Ray's handler would abort a controller that is gone
+            signal.signal(signal.SIGINT, previous)
+    if interrupts:
+        fallback = result.checkpoint.path if result.checkpoint else None
+        raise Interrupted(name, latest_checkpoint(storage_path, name) or fallback)
+    return result

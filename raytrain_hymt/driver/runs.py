@@ -1,0 +1,102 @@
+"""A run's folder as the driver sees it: its name, its MLflow run (``run.json``) and its summary.
+
+A run lives in ``<storage_root>/<name>/``: Ray's checkpoints (``checkpoint_step*``), ``run.json`` (the
+MLflow run id and the job's key, so a re-submitted job continues the same MLflow run), ``config.yaml``,
+``model/`` (the exported Hugging Face folder) and ``summary.json`` (written last; a finished run prints it
+and exits).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+from raytrain_hymt.config.schema import Config, to_yaml
+from raytrain_hymt.driver.session import use_driver_env
+
+SUMMARY_FILE = "summary.json"
+RUN_FILE = "run.json"
+
+
+@dataclass
+class TrainingSummary:
+    """Where a finished run's results are."""
+
+    name: str
+    run_dir: str
+    checkpoint: str
+    model_dir: str | None
+    steps: int
+    train_loss: float
+    val_loss: float | None
+    wall_time_s: float
+    tracking_uri: str | None
+    mlflow_run_id: str | None
+    mlflow_experiment: str | None
+    test_scores: dict | None = None
+    """``{"test_set": name, "scores": {direction: {"bleu", "chrf", ...}}}`` when ``eval.test_set`` was set."""
+
+    def lines(self) -> list[str]:
+        """What the user reads at the end of a run."""
+        val = f", validation loss {self.val_loss:.4f}" if self.val_loss is not None else ""
+        out = [
+            f"run {self.name}: {self.steps} steps in {self.wall_time_s:.0f} s, train loss {self.train_loss:.4f}{val}",
+            f"  checkpoint:   {self.checkpoint}",
+        ]
+        if self.test_scores:
+            scores = ", ".join(f"{d} {s['bleu']:.2f}/{s['chrf']:.2f}" for d, s in self.test_scores["scores"].items())
+            out.append(f"  BLEU/chrF:    {scores}  ({self.test_scores['test_set']})")
+        if self.model_dir:
+            out.append(f"  model:        {self.model_dir}  (AutoModelForCausalLM.from_pretrained loads it)")
+        if self.mlflow_run_id:
+            out.append(f"  MLflow run:   {self.mlflow_run_id} in experiment '{self.mlflow_experiment}' at {self.tracking_uri}")
+            if self.tracking_uri and self.tracking_uri.startswith("sqlite:"):
+                out.append(f"  open the UI:  mlflow ui --backend-store-uri {self.tracking_uri}")
+            else:
+                out.append(f"  open the UI:  {self.tracking_uri}")
+        return out
+
+
+def run_name(cfg: Config) -> str:
+    """The configured name, or ``<preset>-<timestamp>``."""
+    return cfg.run.name or f"{cfg.preset}-{datetime.now():%Y%m%d-%H%M%S}"
+
+
+def start_tracking(cfg: Config, run_dir: Path, parent_run_id: str | None = None, new_measurements: bool = False):
+    """Create or resume (id and key in ``<run_dir>/run.json``) the MLflow run of ``run_dir``; log its config.
+
+    Returns ``(tracker, tracking_uri)``; ``(NullTracker, None)`` when tracking is off. ``parent_run_id``
+    makes it a child run (a search's trial); ``new_measurements``: see ``Tracker.start``.
+    """
+    from raytrain_hymt.tracking.tracker import make_tracker
+    from raytrain_hymt.tracking.tracker import resolve_tracking_uri
+
+    if not cfg.tracking.enabled:
+        return make_tracker(False), None
+    uri = resolve_tracking_uri(cfg.tracking.tracking_uri, cfg.run.storage_path)
+    saved = json.loads((run_dir / RUN_FILE).read_text()) if (run_dir / RUN_FILE).exists() else {}
+    run_key = saved.get("mlflow_run_key") or uuid.uuid4().hex  # finds the run while its id is unknown (server down)
+    tracker = make_tracker(
+        True, tracking_uri=uri, experiment=cfg.tracking.experiment, run_name=cfg.run.name,
+        run_id=saved.get("mlflow_run_id"), run_key=run_key, local_dir=run_dir, tensorboard=False,
+        parent_run_id=parent_run_id, retry_interval_s=cfg.tracking.retry_interval_s,
+        new_measurements=new_measurements,
+    )
+    (run_dir / RUN_FILE).write_text(json.dumps({"mlflow_run_id": tracker.run_id, "mlflow_run_key": run_key, "tracking_uri": uri}))
+    tracker.log_params(cfg.model_dump(mode="json"))  # flattened and redacted by the tracker
+    tracker.log_text(to_yaml(cfg), "config.yaml")
+    return tracker, uri
+
+
+def finished_summary(cfg: Config) -> TrainingSummary | None:
+    """The summary of a run of this name that already finished, or None."""
+    from raytrain_hymt.storage import RunFolder
+
+    use_driver_env(cfg)
+    if not cfg.run.name:
+        return None
+    text = RunFolder(cfg.run.storage_path, cfg.run.name, create=False).read_text(SUMMARY_FILE)
+    return TrainingSummary(**json.loads(text)) if text else None

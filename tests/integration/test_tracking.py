@@ -1,0 +1,292 @@
+"""raytrain_hymt.tracking.tracker against real MLflow stores: embedded sqlite and a real ``mlflow server``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+
+import pytest
+from mlflow import MlflowClient
+from mlflow_server import free_port, run_mlflow_server
+
+from raytrain_hymt.tracking import tracker as tracking
+from raytrain_hymt.tracking.redact import redact, redact_text
+from raytrain_hymt.tracking.tracker import NullTracker, Tracker, make_tracker
+
+SECRET = "s3cr3t-VALUE-4242"
+URI_PASSWORD = "uRiPaSs-9191"
+
+
+@pytest.fixture(autouse=True)
+def restore_environ():
+    """Tracker.start sets MLflow's HTTP env defaults; keep them out of other tests."""
+    saved = dict(os.environ)
+    os.environ.pop("MLFLOW_TRACKING_URI", None)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.fixture(scope="module")
+def server_url(tmp_path_factory):
+    """One MLflow server shared by the tests that do not stop it."""
+    root = tmp_path_factory.mktemp("mlflow_server")
+    with run_mlflow_server(root / "mlflow.db", free_port()) as url:
+        yield url
+
+
+def _steps(client: MlflowClient, run_id: str, key: str) -> list[int]:
+    return sorted(m.step for m in client.get_metric_history(run_id, key))
+
+
+def _jsonl(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _wait_for_retry(tracker: Tracker) -> None:
+    """Sleep until the tracker's retry interval after its last failed try has passed."""
+    time.sleep(max(0.0, tracker._next_try - time.monotonic()) + 0.05)
+
+
+def _unreachable_warnings(caplog) -> int:
+    return sum(
+        "unreachable" in r.getMessage()
+        for r in caplog.records
+        if r.name == tracking.logger.name and r.levelno == logging.WARNING
+    )
+
+
+# ---- pure functions ----------------------------------------------------------------------------------
+
+
+def test_redact_keys_and_uris():
+    data = {
+        "hf_token": "x",
+        "HF_TOKEN": "x",
+        "model": {"pad_token_id": 5, "max_tokens": 7, "tokenizer": "tok", "apiKey": "x"},
+        "aws": {"secret_access_key": "x", "region": "eu"},
+        "db": "postgresql://alice:pw123@db:5432/mlflow",
+        "lists": ["https://bob:pw456@host/x", 3],
+        "auth": {"user": "u"},
+    }
+    out = redact(data)
+    assert out["hf_token"] == out["HF_TOKEN"] == out["model"]["apiKey"] == "***"
+    assert out["model"]["pad_token_id"] == 5 and out["model"]["max_tokens"] == 7
+    assert out["model"]["tokenizer"] == "tok"
+    assert out["aws"] == {"secret_access_key": "***", "region": "eu"}
+    assert out["db"] == "postgresql://alice:***@db:5432/mlflow"
+    assert out["lists"] == ["https://bob:***@host/x", 3]
+    assert out["auth"] == "***"
+    assert redact({"run.api_key": "x"}) == {"run.api_key": "***"}  # a dotted component
+
+    text = 'hf_token: abc\nmax_tokens: 8\n  "password": "p",\nuri=s3://k:v@bucket\n'
+    assert redact_text(text) == 'hf_token: ***\nmax_tokens: 8\n  "password": "***",\nuri=s3://k:***@bucket\n'
+
+
+def test_resolve_tracking_uri_precedence(tmp_path, monkeypatch):
+    assert tracking.resolve_tracking_uri("http://cfg:5000", tmp_path) == "http://cfg:5000"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://env:5000")
+    assert tracking.resolve_tracking_uri(None, tmp_path) == "http://env:5000"
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    assert tracking.resolve_tracking_uri(None, tmp_path) == f"sqlite:///{tmp_path.resolve()}/mlflow.db"
+    with pytest.raises(ValueError, match="tracking_uri"):
+        tracking.default_tracking_uri("s3://bucket/runs")
+
+
+def test_http_defaults_keep_user_values(monkeypatch):
+    for name in tracking.HTTP_ENV_DEFAULTS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "17")
+    tracking.set_http_defaults()
+    assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "17"
+    assert os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "0"
+
+
+def test_null_tracker_on_other_ranks_and_when_disabled(tmp_path):
+    kwargs = dict(tracking_uri="x", experiment="e", run_name="r", run_id=None, local_dir=tmp_path)
+    assert isinstance(make_tracker(False, **kwargs), NullTracker)
+    tracker = make_tracker(True, enabled=False, **kwargs)
+    assert isinstance(tracker, NullTracker)
+    tracker.log_params({"a": 1})
+    tracker.log_metrics({"loss": 1.0}, step=1)
+    tracker.finish()
+    assert tracker.run_id is None and not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_tensorboard_scalars(tmp_path):
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed (pip install tensorboard)")
+    uri = tracking.default_tracking_uri(tmp_path)
+    tracker = Tracker.start(
+        tracking_uri=uri, experiment="tb", run_name="r", run_id=None, local_dir=tmp_path / "run", tensorboard=True
+    )
+    tracker.log_metrics({"train/loss": 1.5}, step=3)
+    tracker.finish()
+    assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
+
+
+# ---- embedded sqlite store ---------------------------------------------------------------------------
+
+
+def test_sqlite_default_params_metrics_and_resume(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger=tracking.logger.name)
+    uri = tracking.resolve_tracking_uri(None, tmp_path / "storage")
+    local = tmp_path / "run"
+    params = {"optim": {"lr": 1e-5, "betas": [0.9, 0.95]}, "hub": {"hf_token": SECRET}, "notes": "x" * 7000}
+
+    first = Tracker.start(
+        tracking_uri=uri, experiment="exp", run_name="job", run_id=None, local_dir=local, tags={"preset": "tiny"}
+    )
+    run_id = first.run_id
+    assert run_id and first.experiment_id
+    first.log_params(params)
+    for step in range(1, 6):
+        first.log_metrics({"train/loss": 10.0 - step}, step=step)
+    first.finish(status="FAILED")  # the attempt crashed after step 5 (its checkpoint is at step 2)
+
+    # The restarted job resumes the same MLflow run from its step-2 checkpoint: steps 3-5 come again.
+    second = Tracker.start(tracking_uri=uri, experiment="exp", run_name="job", run_id=run_id, local_dir=local)
+    assert second.run_id == run_id
+    second.log_params(params)  # same values: skipped silently
+    second.log_params({"optim": {"lr": 2e-5}})  # changed: warning, not a crash
+    for step in range(3, 8):
+        second.log_metrics({"train/loss": 100.0 + step}, step=step)
+    second.finish()
+    second.log_metrics({"train/loss": 0.5}, step=8)  # after finish: ignored (neither MLflow nor the JSONL)
+
+    client = MlflowClient(uri)
+    runs = client.search_runs([first.experiment_id])
+    assert [r.info.run_id for r in runs] == [run_id]
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params["optim.lr"] == "1e-05"
+    assert run.data.params["optim.betas"] == "[0.9, 0.95]"
+    assert run.data.params["hub.hf_token"] == "***"
+    assert len(run.data.params["notes"]) == 6000
+    assert run.data.tags["preset"] == "tiny"
+    history = client.get_metric_history(run_id, "train/loss")
+    assert sorted(m.step for m in history) == [1, 2, 3, 4, 5, 6, 7]  # no duplicated steps
+    assert {m.step: m.value for m in history}[5] == 5.0  # the first attempt's value is kept
+    assert any("immutable" in r.getMessage() for r in caplog.records)
+    # Artifacts sit next to the DB, not in the process's cwd.
+    assert run.info.artifact_uri.startswith((tmp_path / "storage" / "mlartifacts").as_uri())
+
+    lines = _jsonl(local / "metrics.jsonl")
+    assert [x["step"] for x in lines if x["kind"] == "metric"] == [1, 2, 3, 4, 5, 3, 4, 5, 6, 7]
+    assert SECRET not in (local / "metrics.jsonl").read_text()
+
+
+# ---- real mlflow server ------------------------------------------------------------------------------
+
+
+def test_server_logging_over_http(server_url, tmp_path):
+    tracker = Tracker.start(
+        tracking_uri=server_url, experiment="http", run_name="r", run_id=None, local_dir=tmp_path
+    )
+    tracker.log_params({"model": {"name": "tiny", "layers": 2}})
+    for step in (10, 20, 30):
+        tracker.log_metrics({"loss": 1.0 / step, "lr": 1e-5}, step=step)
+    tracker.log_dict({"a": 1, "nested": {"b": [1, 2]}}, "config.yaml")
+    # A second tracker on the same run (the rank-0 worker next to the driver): close() keeps the status.
+    worker = Tracker.start(
+        tracking_uri=server_url, experiment="http", run_name="r", run_id=tracker.run_id, local_dir=tmp_path / "w"
+    )
+    worker.log_metrics({"loss": 0.01}, step=40)
+    worker.close()  # sends what it queued
+    client = MlflowClient(server_url)
+    assert client.get_run(tracker.run_id).info.status == "RUNNING"
+    tracker.finish()
+
+    run = client.get_run(tracker.run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params == {"model.name": "tiny", "model.layers": "2"}
+    assert _steps(client, tracker.run_id, "loss") == [10, 20, 30, 40]
+    text = client.download_artifacts(tracker.run_id, "config.yaml", str(tmp_path))
+    assert "nested" in open(text).read()
+
+
+def test_secrets_never_reach_params_tags_or_artifacts(server_url, tmp_path):
+    tracker = Tracker.start(
+        tracking_uri=server_url,
+        experiment="secrets",
+        run_name="r",
+        run_id=None,
+        local_dir=tmp_path,
+        tags={"auth_token": SECRET, "source": f"https://me:{URI_PASSWORD}@git.example/repo"},
+    )
+    tracker.log_params({
+        "hub": {"hf_token": SECRET, "repo": "org/model"},
+        "HF_API_KEY": SECRET,
+        "mlflow": {"uri": f"http://admin:{URI_PASSWORD}@mlflow:5000"},
+        "storage": {"credentials": {"password": SECRET}},
+    })  # fmt: skip
+    tracker.set_tags({"wandb_api_key": SECRET, "db_password": SECRET})
+    config = {"hub": {"hf_token": SECRET}, "db": f"postgresql://u:{URI_PASSWORD}@h/db"}
+    tracker.log_dict(config, "config.json")
+    tracker.log_text(f"hf_token: {SECRET}\nurl: s3://key:{URI_PASSWORD}@bucket\n", "config.yaml")
+    tracker.finish()
+
+    client = MlflowClient(server_url)
+    run = client.get_run(tracker.run_id)
+    assert run.data.params["hub.repo"] == "org/model"
+    assert run.data.params["mlflow.uri"] == "http://admin:***@mlflow:5000"
+    for key, value in {**run.data.params, **run.data.tags}.items():
+        assert SECRET not in value and URI_PASSWORD not in value, key
+    for name in ("config.json", "config.yaml"):
+        text = open(client.download_artifacts(tracker.run_id, name, str(tmp_path / "dl"))).read()
+        assert SECRET not in text and URI_PASSWORD not in text and "***" in text
+    local = (tmp_path / "metrics.jsonl").read_text()
+    assert SECRET not in local and URI_PASSWORD not in local
+
+
+def test_outage_at_start_and_mid_run(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger=tracking.logger.name)
+    db, port = tmp_path / "server" / "mlflow.db", free_port()
+    url = f"http://127.0.0.1:{port}"
+    interval = 2.0
+    local = tmp_path / "run"
+
+    def timed_log(step: int) -> float:
+        began = time.monotonic()
+        tracker.log_metrics({"loss": float(step)}, step=step)
+        return time.monotonic() - began
+
+    # Server down at start: the run is created lazily once it answers.
+    began = time.monotonic()
+    tracker = Tracker.start(
+        tracking_uri=url, experiment="outage", run_name="r", run_id=None, local_dir=local, retry_interval_s=interval
+    )
+    assert time.monotonic() - began < 5
+    assert tracker.run_id is None and tracker.offline
+    assert _unreachable_warnings(caplog) == 1
+    tracker.log_params({"lr": 0.1})
+    assert timed_log(1) < 0.05 and timed_log(2) < 0.05  # within the retry interval: not even tried
+
+    with run_mlflow_server(db, port):
+        _wait_for_retry(tracker)
+        timed_log(3)  # creates the run and replays steps 1-2
+        assert tracker.run_id is not None and not tracker.offline
+        run_id = tracker.run_id
+        timed_log(4)
+    # Server stopped mid-run: bounded delay on the first failing call, then no tries until the interval.
+    assert timed_log(5) < 3
+    assert tracker.offline and _unreachable_warnings(caplog) == 2  # one per outage, not one per call
+    assert timed_log(6) < 0.05 and timed_log(7) < 0.05
+    assert _unreachable_warnings(caplog) == 2
+
+    with run_mlflow_server(db, port):  # same port, same DB: the same store comes back
+        _wait_for_retry(tracker)
+        timed_log(8)  # replays 5-7
+        assert not tracker.offline
+        tracker.log_metrics({"loss": 9.0}, step=9)
+        tracker.finish()
+        client = MlflowClient(url)
+        assert _steps(client, run_id, "loss") == list(range(1, 10))
+        run = client.get_run(run_id)
+        assert run.data.params == {"lr": "0.1"} and run.info.status == "FINISHED"
+        assert len(client.search_runs([run.info.experiment_id])) == 1
+
+    lines = _jsonl(local / "metrics.jsonl")
+    assert [x["step"] for x in lines if x["kind"] == "metric"] == list(range(1, 10))
+    assert [(x["key"], x["value"]) for x in lines if x["kind"] == "param"] == [("lr", "0.1")]
