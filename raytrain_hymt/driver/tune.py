@@ -181,7 +181,6 @@ def run_search(cfg: Config) -> SearchResult:
     import ray
     from ray import tune
 
-    from raytrain_hymt.console import progress as data_progress
     from raytrain_hymt.data.pipeline import build_datasets
     from raytrain_hymt.driver.runs import run_name, start_tracking
     from raytrain_hymt.driver.session import check_cluster_resources, check_state_api, init_ray
@@ -204,8 +203,7 @@ def run_search(cfg: Config) -> SearchResult:
     check_state_api()
     tracker, uri = start_tracking(cfg, search_dir)
     try:
-        with data_progress.showing():
-            train, val, stats = build_datasets(cfg)
+        train, val, stats = build_datasets(cfg)
         log.info(stats.summary())
         tracker.log_metrics(stats.as_metrics(), step=0)
         total = planned_steps(cfg, stats.train_rows)
