@@ -47,14 +47,12 @@ def cmd_train(args) -> int:
 
 def cmd_prepare(args) -> int:
     """Run the data pipeline once and write training-ready rows to Parquet."""
-    from raytrain_hymt.console import progress as data_progress
     from raytrain_hymt.driver.train import prepare_dataset
     from raytrain_hymt.data.preflight import check_inputs
 
     cfg = _load(args)
     check_inputs(cfg)  # before Ray starts or OUT is created
-    with data_progress.showing():
-        stats = prepare_dataset(cfg, args.out, overwrite=args.overwrite)
+    stats = prepare_dataset(cfg, args.out, overwrite=args.overwrite)
     print(stats.summary())
     print(f"prepared dataset: {args.out}  (train on it with --set data.prepared_path={args.out})")
     return 0
@@ -99,9 +97,9 @@ def cmd_evaluate(args) -> int:
     cfg = _load(args)
     if args.model is None and args.config is None and cfg.run.name:
         # A run is scored as it was trained (GPUs, precision, its test set) unless --config says otherwise.
-        from raytrain_hymt.storage import RunFolder
+        from raytrain_hymt.storage import CONFIG_FILE, RunFolder
 
-        saved = RunFolder(cfg.run.storage_path, cfg.run.name, create=False).read_text("config.yaml")
+        saved = RunFolder(cfg.run.storage_path, cfg.run.name, create=False).read_text(CONFIG_FILE)
         if saved:
             import tempfile
 

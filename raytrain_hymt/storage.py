@@ -12,6 +12,18 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+# The files of a run folder, named here once for every command that reads or writes them.
+#: The run's first config (a re-submission is compared with it).
+CONFIG_FILE = "config.yaml"
+#: Every config difference a re-submission brought, allowed or not, one JSON line each.
+CHANGES_FILE = "config-changes.jsonl"
+#: The run's MLflow run (id, key, tracking URI), so that every later command continues the same one.
+RUN_FILE = "run.json"
+#: The finished run's summary (``hymt train``'s last lines, the model's folder).
+SUMMARY_FILE = "summary.json"
+#: The local copy of every metric the tracker logs.
+METRICS_FILE = "metrics.jsonl"
+
 #: Where runs on a URI storage root stage their local files (``<dir>/<run name>``).
 STAGING_ROOT = Path(os.path.expanduser("~/.cache/raytrain_hymt/runs"))
 

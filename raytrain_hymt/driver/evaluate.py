@@ -97,7 +97,7 @@ def translate(rows: list[dict], cfg, model: str, sample: bool = False) -> tuple[
     ordered = [rows[i] for b in batches_longest_first([r["src"] for r in rows], e.batch_size) for i in b]
     ds = ray.data.from_items([{k: r[k] for k in ("id", "src", "src_lang", "tgt_lang")} for r in ordered])
     gpu = cfg.scaling.use_gpu
-    # A failed replica fails the evaluation loudly (data/actor_pool.py: why the replicas are never restarted).
+    # A failed replica fails the evaluation loudly (data/pipeline.py: why the replicas are never restarted).
     out = map_on_actors(
         ds, Translator, workers,
         fn_constructor_kwargs=dict(model=model, precision=cfg.deepspeed.precision,
@@ -176,7 +176,8 @@ def evaluate_run(cfg, model: str | None = None) -> EvalResult:
     from raytrain_hymt.storage import RunFolder
     from raytrain_hymt.tracking.tracker import make_tracker
     from raytrain_hymt.driver.session import init_ray
-    from raytrain_hymt.driver.runs import RUN_FILE, SUMMARY_FILE, start_tracking
+    from raytrain_hymt.driver.runs import start_tracking
+    from raytrain_hymt.storage import RUN_FILE, SUMMARY_FILE
 
     if not cfg.eval.test_set:
         raise ConfigError("eval.test_set is not set: name a test-set folder (--test-set or --set eval.test_set=DIR)")

@@ -45,11 +45,10 @@ def read_metrics_jsonl(path: Path) -> Series:
 
 def read_run(storage_root: str, name: str) -> Series:
     """The metrics of run ``name`` under ``storage_root``: its metrics.jsonl, else its MLflow run."""
-    from raytrain_hymt.storage import RunFolder
-    from raytrain_hymt.driver.runs import RUN_FILE
+    from raytrain_hymt.storage import METRICS_FILE, RUN_FILE, RunFolder
 
     folder = RunFolder(storage_root, name, create=False)
-    local = folder.local / "metrics.jsonl"
+    local = folder.local / METRICS_FILE
     if local.is_file():
         return read_metrics_jsonl(local)
     saved = json.loads(folder.read_text(RUN_FILE) or "{}")

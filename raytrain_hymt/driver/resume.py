@@ -1,25 +1,19 @@
-"""The resume-compatibility check: a re-submitted run must continue what its first submission started.
+"""Resuming a run: the check that a re-submitted run continues what its first submission started, and
+Ctrl-C, which stops a run so that it can be resumed.
 
 The run's first ``config.yaml`` is kept. A re-submission is compared with it field by field
 (:func:`check_resume`); a difference in a field that changes the training trajectory (data, model,
 optimizer, schedule, batch: every field not in :data:`TRAJECTORY_FREE`) stops the run with one
 :class:`~raytrain_hymt.errors.ConfigError` naming the fields, unless ``run.allow_config_change`` is set.
-Every difference, allowed or not, is recorded in ``<run>/config-changes.jsonl``. Other comparisons (the
-data fingerprint) plug in by adding their own :class:`Difference` to the list given to :func:`enforce`.
+Every difference, allowed or not, is recorded in ``<run>/config-changes.jsonl``. The data fingerprint
+(:func:`check_resume_data`: the newest checkpoint's against the data configured now) goes through the same
+single override.
 
-The data part of the resume check, on the driver: fingerprint the data, compare it with the newest
-checkpoint's, stop before training when it changed (``data.fingerprint``).
-
-Kept apart from the config check so that one resume-compatibility check (issue #14's) can call it with
-the same single override, ``run.allow_config_change``.
-
-Ctrl-C: stop the run cleanly and tell the user where its last checkpoint is and how to resume.
-
-Ray Train's ``fit()`` installs its own SIGINT handler (Ray 2.60, ``DataParallelTrainer.
-_register_sigint_handler``): it aborts the controller, after which ``fit()`` returns (or the handler
-exits the process with status 0), so no ``KeyboardInterrupt`` ever reaches the caller and the run would
-go on to export a half-trained model. :func:`fit` wraps that handler to remember the interrupt and turns
-the end of ``fit()`` into :class:`Interrupted`, which the command line reports in one line (exit 130).
+Ctrl-C: Ray Train's ``fit()`` installs its own SIGINT handler (Ray 2.60): it aborts the controller, after
+which ``fit()`` returns (or the handler exits the process with status 0), so no ``KeyboardInterrupt``
+ever reaches the caller and the run would go on to export a half-trained model. :func:`fit` wraps that
+handler to remember the interrupt and turns the end of ``fit()`` into :class:`Interrupted`, which the
+command line reports in one line with the last checkpoint and how to resume (exit 130).
 """
 
 from __future__ import annotations
@@ -37,12 +31,10 @@ import yaml
 from raytrain_hymt.config.schema import Config, flatten, to_yaml
 from raytrain_hymt.data.fingerprint import check_same_data, data_fingerprint
 from raytrain_hymt.errors import ConfigError
-from raytrain_hymt.storage import RunFolder
+from raytrain_hymt.storage import CHANGES_FILE, CONFIG_FILE, RunFolder
 
 log = logging.getLogger("raytrain_hymt")
 
-CONFIG_FILE = "config.yaml"
-CHANGES_FILE = "config-changes.jsonl"
 
 #: Fields a resumed run may change: they decide how the run is observed, stored, retried or how fast it
 #: runs, never which updates the weights get. A name ending in "." covers its whole section. Any field
@@ -182,17 +174,9 @@ def keep_first_config(folder, cfg: Config, extra: list[Difference] = ()) -> None
 def newest_checkpoint_state(folder: RunFolder) -> tuple[str, dict] | None:
     """``(checkpoint folder name, its state.json)`` of the newest checkpoint in a run folder that has a
     ``state.json``, or None for a run without checkpoints (a new run)."""
-    import pyarrow.fs
+    from raytrain_hymt.train.checkpoint import STATE_FILE, list_checkpoints
 
-    from raytrain_hymt.train.checkpoint import CHECKPOINT_DIR_RE, STATE_FILE
-
-    infos = folder.fs.get_file_info(pyarrow.fs.FileSelector(folder.path, allow_not_found=True))
-    found = []
-    for info in infos:
-        m = CHECKPOINT_DIR_RE.match(info.base_name)
-        if m and info.type == pyarrow.fs.FileType.Directory:
-            found.append(((int(m.group(1)), int(m.group(2) or 0)), info.base_name))
-    for _, name in sorted(found, reverse=True):
+    for name in list_checkpoints(folder.fs, folder.path):
         text = folder.read_text(f"{name}/{STATE_FILE}")
         if text is not None:
             return name, json.loads(text)
@@ -222,24 +206,17 @@ class Interrupted(KeyboardInterrupt):
 
 def latest_checkpoint(storage_path: str, name: str | None) -> str | None:
     """The newest ``checkpoint_step*`` folder of run ``name``, or None (no run, no checkpoint yet)."""
-    import pyarrow.fs
-
     from raytrain_hymt.storage import RunFolder
-    from raytrain_hymt.train.checkpoint import CHECKPOINT_DIR_RE
+    from raytrain_hymt.train.checkpoint import list_checkpoints
 
     if not name:
         return None
     folder = RunFolder(storage_path, name, create=False)
     try:
-        infos = folder.fs.get_file_info(pyarrow.fs.FileSelector(folder.path, allow_not_found=True))
+        names = list_checkpoints(folder.fs, folder.path)
     except OSError:
         return None
-    found = []
-    for info in infos:
-        m = CHECKPOINT_DIR_RE.match(info.base_name)
-        if m and info.type == pyarrow.fs.FileType.Directory:
-            found.append(((int(m.group(1)), int(m.group(2) or 0)), info.base_name))
-    return f"{folder.uri}/{max(found)[1]}" if found else None
+    return f"{folder.uri}/{names[0]}" if names else None
 
 
 def fit(trainer, storage_path: str, name: str):

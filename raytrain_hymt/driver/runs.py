@@ -16,9 +16,8 @@ from pathlib import Path
 
 from raytrain_hymt.config.schema import Config, to_yaml
 from raytrain_hymt.driver.session import use_driver_env
+from raytrain_hymt.storage import CONFIG_FILE, RUN_FILE, SUMMARY_FILE
 
-SUMMARY_FILE = "summary.json"
-RUN_FILE = "run.json"
 
 
 @dataclass
@@ -87,7 +86,7 @@ def start_tracking(cfg: Config, run_dir: Path, parent_run_id: str | None = None,
     )
     (run_dir / RUN_FILE).write_text(json.dumps({"mlflow_run_id": tracker.run_id, "mlflow_run_key": run_key, "tracking_uri": uri}))
     tracker.log_params(cfg.model_dump(mode="json"))  # flattened and redacted by the tracker
-    tracker.log_text(to_yaml(cfg), "config.yaml")
+    tracker.log_text(to_yaml(cfg), CONFIG_FILE)
     return tracker, uri
 
 

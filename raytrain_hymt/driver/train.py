@@ -1,14 +1,15 @@
-"""The driver's training run: check, start or join Ray, build the datasets, run the TorchTrainer, score.
+"""The driver's training run: check, start or join Ray, build the datasets, run the TorchTrainer, score;
+and ``hymt prepare``, which runs the same data pipeline once.
 
 ``run_training`` is a short sequence of named steps; each is a function below. The run's folder and
-summary are :mod:`~raytrain_hymt.driver.runs`' room, the Ray session :mod:`~raytrain_hymt.driver.session`'s. ``storage_root``
-may be a URI (``s3://``, ``gs://``, ``file://``): the run's files then go through pyarrow
+summary are :mod:`~raytrain_hymt.driver.runs`' room, the Ray session :mod:`~raytrain_hymt.driver.session`'s.
+``storage_root`` may be a URI (``s3://``, ``gs://``, ``file://``): the run's files then go through pyarrow
 (``storage.RunFolder``). When Ray Train gives up (``checkpoint.max_failures`` spent) the run ends with
 ``errors.TrainingFailed``, which names the original exception and the failing rank.
 
-``hymt prepare``: run the data pipeline once and keep its training rows as a prepared dataset
-(Parquet files and a manifest: :mod:`raytrain_hymt.data.prepared`), which ``data.prepared_path`` trains
-from without reading or tokenizing the sources again.
+``prepare_dataset`` keeps the pipeline's training rows as a prepared dataset (Parquet files and a
+manifest: :mod:`raytrain_hymt.data.prepared`), which ``data.prepared_path`` trains from without reading or
+tokenizing the sources again.
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ from raytrain_hymt.data.fingerprint import sources_fingerprint
 from raytrain_hymt.data.pipeline import lazy_datasets
 from raytrain_hymt.data.prepared import check_target, write_prepared
 from raytrain_hymt.data.stats import DataStats
-from raytrain_hymt.driver.runs import RUN_FILE, SUMMARY_FILE, TrainingSummary, run_name, start_tracking
+from raytrain_hymt.driver.runs import TrainingSummary, run_name, start_tracking
 from raytrain_hymt.driver.session import init_ray, use_driver_env
 from raytrain_hymt.errors import ConfigError, DataSourceError
-from raytrain_hymt.storage import RunFolder, is_uri
+from raytrain_hymt.storage import RUN_FILE, SUMMARY_FILE, RunFolder, is_uri
 
 log = logging.getLogger("raytrain_hymt")
 
@@ -103,11 +104,9 @@ def track_run(cfg: Config, folder: RunFolder, parent_run_id: str | None):
 
 def build_run_datasets(cfg: Config, tracker):
     """The run's ``(train, val, stats)`` datasets (Ray Data), with the statistics logged at step 0."""
-    from raytrain_hymt.console import progress as data_progress
     from raytrain_hymt.data.pipeline import build_datasets
 
-    with data_progress.showing():
-        train, val, stats = build_datasets(cfg)
+    train, val, stats = build_datasets(cfg)
     log.info(stats.summary())
     tracker.log_metrics(stats.as_metrics(), step=0)
     return train, val, stats

@@ -43,7 +43,7 @@ def resolve_model(model: str, storage_root: str, scratch: str) -> str:
     from raytrain_hymt.train.export import export_checkpoint
     from raytrain_hymt.console.quiet import no_bars
     from raytrain_hymt.storage import RunFolder, is_uri
-    from raytrain_hymt.driver.runs import SUMMARY_FILE
+    from raytrain_hymt.storage import SUMMARY_FILE
 
     if model == "tiny" or is_uri(model):
         return model

@@ -32,6 +32,7 @@ import yaml
 
 from raytrain_hymt.config.schema import Config, flatten, to_yaml
 from raytrain_hymt.errors import ConfigError
+from raytrain_hymt.storage import CONFIG_FILE, RUN_FILE
 
 log = logging.getLogger("raytrain_hymt")
 
@@ -150,7 +151,7 @@ def _rows(grid, search_dir: Path, total_steps: int) -> list[TrialRow]:
         else:
             status = "done" if steps >= total_steps else "stopped"
         run_dir = search_dir / f"trial-{trial.trial_id}"
-        saved = json.loads((run_dir / "run.json").read_text()) if (run_dir / "run.json").exists() else {}
+        saved = json.loads((run_dir / RUN_FILE).read_text()) if (run_dir / RUN_FILE).exists() else {}
         val = metrics.get(METRIC)
         rows.append(TrialRow(
             trial_id=trial.trial_id, params=flatten(trial.config), val_loss=float(val) if val is not None else None,
@@ -196,7 +197,7 @@ def run_search(cfg: Config) -> SearchResult:
     cfg.run.name = run_name(cfg)
     search_dir = Path(cfg.run.storage_path, cfg.run.name)
     search_dir.mkdir(parents=True, exist_ok=True)
-    (search_dir / "config.yaml").write_text(to_yaml(cfg))
+    (search_dir / CONFIG_FILE).write_text(to_yaml(cfg))
     # One trial's worker group must fit before the datasets are built (its driver's CPUs are checked by
     # max_concurrent_trials, which needs the cluster anyway).
     check_cluster_resources(cfg, init_ray(cfg))

@@ -12,8 +12,8 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from raytrain_hymt.storage import METRICS_FILE
 
-METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 
 

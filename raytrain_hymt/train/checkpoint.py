@@ -122,6 +122,17 @@ def _dir_order(name: str) -> tuple[int, int] | None:
     return (int(m.group(1)), int(m.group(2) or 0)) if m else None
 
 
+def list_checkpoints(fs, run_path: str) -> list[str]:
+    """The names of the checkpoint folders in the run folder ``run_path`` (a path of ``fs``), newest first:
+    by step, then by generation (a fallback's folder of the same step is newer). [] when there is none or
+    the run folder does not exist. The one listing that resuming, falling back and Ctrl-C all use."""
+    import pyarrow.fs
+
+    infos = fs.get_file_info(pyarrow.fs.FileSelector(run_path.rstrip("/"), allow_not_found=True))
+    found = [(_dir_order(i.base_name), i.base_name) for i in infos if i.type == pyarrow.fs.FileType.Directory]
+    return [name for order, name in sorted((f for f in found if f[0]), reverse=True)]
+
+
 def _file_sizes(folder: Path) -> dict[str, int]:
     return {p.relative_to(folder).as_posix(): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
 
@@ -235,16 +246,9 @@ def older_checkpoints(fs, path: str) -> list[str]:
     Ray hands a restarted worker group only its latest checkpoint; these are the fallbacks when that one
     turns out to be cut off.
     """
-    import pyarrow.fs
-
     parent, name = path.rstrip("/").rsplit("/", 1)
     mine = _dir_order(name)
-    found = []
-    for info in fs.get_file_info(pyarrow.fs.FileSelector(parent)):
-        order = _dir_order(info.base_name)
-        if order and info.type == pyarrow.fs.FileType.Directory and (mine is None or order < mine):
-            found.append((order, info.path))
-    return [p for _, p in sorted(found, reverse=True)]
+    return [f"{parent}/{n}" for n in list_checkpoints(fs, parent) if mine is None or _dir_order(n) < mine]
 
 
 def saved_files(folder: str, world: int) -> list[str]:
@@ -294,10 +298,7 @@ def restore_rank(engine, folder: str, rank: int, world: int | None = None, local
 def next_generation(fs, run_path: str) -> int:
     """1 + the highest checkpoint generation in the run folder ``run_path``: a fallback then never
     recomputes the name of a folder that still exists."""
-    import pyarrow.fs
-
-    orders = [_dir_order(i.base_name) for i in fs.get_file_info(pyarrow.fs.FileSelector(run_path))]
-    return 1 + max((o[1] for o in orders if o), default=0)
+    return 1 + max((_dir_order(n)[1] for n in list_checkpoints(fs, run_path)), default=0)
 
 
 def base_identity(name_or_path: str, seed: int) -> dict:

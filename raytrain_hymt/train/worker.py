@@ -18,13 +18,13 @@ from raytrain_hymt.config.schema import Config
 from raytrain_hymt.errors import NonFiniteError
 from raytrain_hymt.data.epochs import micro_slice, rank_slice, steps_per_epoch
 from raytrain_hymt.train.distributed import all_reduce_sum, step_loss
+from raytrain_hymt.storage import METRICS_FILE
 
 log = logging.getLogger("raytrain_hymt")
 
 #: Names inside a run folder written by the workers: the exported model, rank 0's metric copies.
 MODEL_DIR = "model"
 ADAPTER_DIR = "adapter"
-METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 
 

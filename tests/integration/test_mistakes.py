@@ -33,7 +33,8 @@ from raytrain_hymt.data.preflight import check_inputs, model_problem, nearest_la
 from raytrain_hymt.data.readers import read_line_tables, tatoeba_parser
 from raytrain_hymt.data.files import file_name
 from raytrain_hymt.errors import describe_failure
-from raytrain_hymt.driver.resume import (CHANGES_FILE, TRAJECTORY_FREE, changes_trajectory, check_resume, enforce,
+from raytrain_hymt.storage import CHANGES_FILE
+from raytrain_hymt.driver.resume import (TRAJECTORY_FREE, changes_trajectory, check_resume, enforce,
                                   keep_first_config)
 from raytrain_hymt.storage import RunFolder
 

@@ -22,7 +22,7 @@ from conftest import tiny_overrides
 from raytrain_hymt.config.schema import load_config
 from raytrain_hymt.train.faults import FAULTS_ENV
 from raytrain_hymt.driver.train import run_training
-from raytrain_hymt.driver.runs import RUN_FILE
+from raytrain_hymt.storage import RUN_FILE
 
 pytestmark = pytest.mark.integration
 
