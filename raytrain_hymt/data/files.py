@@ -1,8 +1,7 @@
 """Files of a corpus wherever they live: globs and URIs expanded, opened (gzip too) through pyarrow's
 filesystems, counted and named relative to their source's root, and their text decoded line by line
-with the line number and whether it was valid UTF-8.
-
-The bundled sample corpus (real Tatoeba eng-zho pairs; license in sample_data/NOTICE.md).
+with the line number and whether it was valid UTF-8. ``sample:`` names the bundled sample corpus (real
+Tatoeba eng-zho pairs; license in ``data/sample_data/NOTICE.md``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """The driver's Ray session: join the cluster in ``RAY_ADDRESS`` or start a local Ray, quietly, with the
-run's environment in place. Only driver code (trainer, evaluate, translate, tune, prepare, export) starts Ray.
-
-Fail fast when the Ray cluster can never start the training workers a config asks for.
+run's environment in place, and check that the cluster can ever start the run's workers. Only driver code
+(and the command line) starts Ray.
 
 Ray Train waits for resources without end: a GPU preset on a machine without GPUs would run the whole
 data pipeline and then hang. The decision is a pure function of plain dicts (``resource_shortfall``);
@@ -36,7 +35,7 @@ def init_ray(cfg: Config) -> bool:
         ray.init(**ray_init_kwargs())
         return False
     # 2 training workers plus the tokenizer actors need more logical CPUs than a 2-core machine has
-    # (FACTS.md: on 2 logical CPUs the actors never start). Logical CPUs are only a scheduling count.
+    # (measured: on 2 logical CPUs the actors never start). Logical CPUs are only a scheduling count.
     want = cfg.scaling.local_num_cpus or max(4, os.cpu_count() or 1, int(cfg.scaling.num_workers * cfg.scaling.cpus_per_worker) + cfg.data.tokenize_actors)
     start_local_ray(want, **ray_init_kwargs())
     return True

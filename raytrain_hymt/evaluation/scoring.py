@@ -1,17 +1,18 @@
-"""Translation scores (sacrebleu) and the evaluation history they are kept in. Pure: no Ray, no torch.
+"""Test sets and translation scores: what evaluation, ``hymt translate`` and BLEU during training share.
+Pure: no Ray, no torch.
+
+Test sets: a folder of line-aligned files, one per language (FLORES-200's ``devtest/``), and the rows to
+translate from it.
 
 Scores of one direction: BLEU (tokenized for the target language: ``zh`` for Chinese, characters for
 Japanese/Thai/Khmer/Burmese, ``13a`` otherwise), chrF, chrF++ (chrF with word bigrams) and TER (with
-``asian_support``, which needs sacrebleu's normalization, for Chinese and Japanese targets), each with sacrebleu's signature, which says exactly
-what was measured.
+``asian_support``, which needs sacrebleu's normalization, for Chinese and Japanese targets), each with
+sacrebleu's signature, which says exactly what was measured.
 
 History: every evaluation of a test set gets a folder of its own, ``<eval root>/<set>/<time>/``
-(``scores.json`` and the translations, ``<src>-<tgt>.hyp``), and one line in ``<eval root>/<set>/history.jsonl``
-(the same record as scores.json plus the folder's name), so a new evaluation never replaces an older one.
-
-Test sets: a folder of line-aligned files, one per language (FLORES-200's ``devtest/``), the rows to
-translate from it, and the scores of their translations. Pure logic: what evaluation, ``hymt translate``
-and BLEU during training share.
+(``scores.json`` and the translations, ``<src>-<tgt>.hyp``), and one line in
+``<eval root>/<set>/history.jsonl`` (the same record as scores.json plus the folder's name), so a new
+evaluation never replaces an older one.
 """
 
 from __future__ import annotations

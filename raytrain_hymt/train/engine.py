@@ -1,13 +1,11 @@
-"""DeepSpeed: the config builder (pure), the learning-rate schedule (pure), LoRA and engine initialisation.
+"""DeepSpeed: the config builder (pure), the learning-rate schedule (pure), LoRA and engine initialisation,
+and the ninja that compiles DeepSpeed's C++ ops.
 
-DeepSpeed's C++ ops (``shm_comm``, ``cpu_adam``) are compiled on first use and cached: which ninja compiles them.
-
-torch builds them with the first ``ninja`` on ``PATH``. A machine may have its own (Debian's ninja-build
-1.11) besides the one this Python environment installs with DeepSpeed (pip's, 1.13). The two do not
-accept each other's record of the cached build, so every switch between them compiled both ops again,
-about 70 CPU-seconds each: ``make install`` built them without the venv on ``PATH``, ``make test`` ran
-with it, and the test suite's processes took turns (three rebuilds in one CI run, two cores busy for
-minutes each time).
+DeepSpeed's C++ ops (``shm_comm``, ``cpu_adam``) are compiled on first use and cached. torch builds them
+with the first ``ninja`` on ``PATH``. A machine may have its own (Debian's ninja-build 1.11) besides the
+one this Python environment installs with DeepSpeed (pip's, 1.13). The two do not accept each other's
+record of the cached build, so every switch between them compiled both ops again, about 70 CPU-seconds
+each: ``use_this_environments_ninja`` makes every process of the project use the environment's own.
 """
 
 from __future__ import annotations

@@ -6,15 +6,13 @@ Two producers feed one writer, and neither ever holds more than one shard of wei
   parameter is gathered on its own (``GatheredParameters``) and dropped once it is in a shard. The driver
   never loads the weights: it only learns where the folder is.
 * ``export_checkpoint``: ``hymt export`` of a stored checkpoint, tensor by tensor through DeepSpeed's lazy
-  ``zero_to_fp32`` (``lazy_mode=True``), in a Ray task where the resources are.
+  ``zero_to_fp32`` (``lazy_mode=True``). ``export_stored_checkpoint`` runs it as a Ray task where the
+  resources are (never in the CLI process); the task reports its own peak memory, which stays near
+  ``2 × max shard + the libraries`` at any model size.
 
 LoRA runs save only the adapters (``checkpoint.save_rank_checkpoint``); both producers merge them onto the
 frozen base named by ``model.name_or_path`` (``W + alpha/r · B·A`` in fp32, rounded once), so the export is
 a plain model. ``write_adapter`` writes the adapter-only PEFT folder that vLLM and TGI serve on a base.
-
-``hymt export`` of a stored checkpoint, run as a Ray task where the resources are (never in the CLI
-process): the task streams the checkpoint into the model folder shard by shard (``export.export_checkpoint``)
-and reports its own peak memory, which stays near ``2 × max shard + the libraries`` at any model size.
 """
 
 from __future__ import annotations
