@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 ARGS ?=
 PYTEST_ARGS ?= -q
 
-.PHONY: install train test clean-venv
+.PHONY: install train test test-unit clean-venv
 
 install: $(STAMP)
 
@@ -24,6 +24,10 @@ train: install
 
 test: install
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The tests that start no Ray and no process (config, cleaning, prompts, packing, ...): about a minute.
+test-unit: install
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest $(PYTEST_ARGS) tests/unit
 
 clean-venv:
 	rm -rf $(VENV)

@@ -8,7 +8,7 @@ What goes, and how:
   log files (``/tmp/ray/session_latest/logs``); rank 0 publishes its progress and warnings to the driver
   instead (``progress.py``);
 * Python loggers other than the project's below WARNING, and Ray's own warnings on the driver;
-* Ray Data's bars, global and per operator (data preparation draws one bar of its own: ``data_progress.py``);
+* Ray Data's bars, global and per operator (data preparation draws one bar of its own: ``console.progress``);
 * DeepSpeed's "Setting accelerator to CPU" warning on a driver without GPUs (it picks the CPU anyway);
 * transformers' shard-loading and shard-writing bars, and DeepSpeed's at export (:func:`no_bars`).
 """

@@ -108,7 +108,7 @@ def _rows_per_step(flat: dict) -> int:
 def _moved_only(old: Any, now: Any) -> bool:
     """Whether two ``data.sources`` lists differ in their paths alone. Rows are named relative to their
     source's root, so a corpus moved or mounted elsewhere trains the same rows; whether the files still
-    hold the same data is the data fingerprint's check (``resume_data``), which runs next."""
+    hold the same data is the data fingerprint's check (:func:`check_resume_data`), which runs next."""
     def strip(sources):
         return [{k: v for k, v in s.items() if k != "path"} for s in sources] if isinstance(sources, list) else sources
     return strip(old) == strip(now)

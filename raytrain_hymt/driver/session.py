@@ -99,7 +99,7 @@ log = logging.getLogger("raytrain_hymt")
 
 
 def worker_resources(cfg: Config) -> dict[str, float]:
-    """Logical resources one training worker reserves (as ``trainer.build_trainer``'s ScalingConfig asks for them)."""
+    """Logical resources one training worker reserves (as ``driver.train.build_trainer``'s ScalingConfig asks for them)."""
     need = {"CPU": float(cfg.scaling.cpus_per_worker)}
     if cfg.scaling.use_gpu:
         need["GPU"] = 1.0

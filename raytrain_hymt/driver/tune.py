@@ -1,7 +1,7 @@
 """Hyperparameter search with Ray Tune: every trial is a full training run of the project's own loop.
 
 Ray 2.60's pattern (Train V2): a ``tune.Tuner`` over a driver function that builds one ``TorchTrainer``
-per trial (``trainer.run_training``) with Tune's ``TuneReportCallback``; the workers report the
+per trial (``driver.train.run_training``) with Tune's ``TuneReportCallback``; the workers report the
 validation loss every ``eval.every_steps`` and ASHA stops the trials that trail. The datasets are built
 once, here, and handed to every trial (``tune.with_parameters``), so no trial reads or tokenizes again.
 

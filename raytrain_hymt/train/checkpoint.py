@@ -1,4 +1,4 @@
-"""Checkpoints: every rank's DeepSpeed shard + the run state, atomic by markers (export: ``export.py``).
+"""Checkpoints: every rank's DeepSpeed shard + the run state, atomic by markers (export: ``train.export``).
 
 Layout of one checkpoint (Ray merges the folder each rank reports into one):
     state.json                 step, epoch, data position, world size, tag, tracking run id (rank 0)

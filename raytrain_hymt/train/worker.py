@@ -39,7 +39,7 @@ class LoopInputs:
     run_dir: str
     data_fingerprint: dict | None = None
     progress_board: str | None = None
-    """Name of the driver's progress actor (``progress.py``): rank 0 publishes every step there."""
+    """Name of the driver's progress actor (``console.progress``): rank 0 publishes every step there."""
     tracking_run_key: str | None = None
     """The job's MLflow key (``run.json``): rank 0 finds or creates the run by it while its id is unknown."""
     train_blocks: object = None

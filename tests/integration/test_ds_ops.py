@@ -1,6 +1,6 @@
 """DeepSpeed's C++ ops are compiled once (``make install``) and every later process loads that build, with
 whatever ``PATH`` it was started with: this machine has Debian's ninja (1.11) besides the venv's (1.13),
-and before ``ds_ops.use_this_environments_ninja`` each switch between them compiled both ops again."""
+and before ``train.engine.use_this_environments_ninja`` each switch between them compiled both ops again."""
 
 from __future__ import annotations
 

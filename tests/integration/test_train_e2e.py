@@ -28,6 +28,25 @@ def test_checkpoint_holds_every_rank_shard(finished_run):
         "checkpoint_step00000010", "checkpoint_step00000020"]
 
 
+def test_checkpoints_pickle_no_project_class(finished_run):
+    """A checkpoint outlives the code that wrote it (a run resumes after an upgrade that moved modules):
+    its pickled files (torch's zip of ``data.pkl``, stored uncompressed) name no class of this package,
+    so unpickling never imports a module path of it. Its own state travels as JSON (``state.json``)."""
+    storage, summary = finished_run
+    pickled = [p for p in Path(summary.run_dir).glob("checkpoint_step*/**/*")
+               if p.is_file() and p.suffix in (".pt", ".bin", ".pkl")]
+    assert len(pickled) >= 4  # each checkpoint: every rank's optimizer shard and the model states
+    assert [p.name for p in pickled if b"raytrain_hymt" in p.read_bytes()] == []
+    planted = Path(summary.run_dir) / "planted.pt"
+    from raytrain_hymt.train.checkpoint import RunState  # a project class, as a careless save would pickle it
+
+    torch.save({"state": RunState(step=1, epoch=0, batch_in_epoch=1, world_size=1, tag="x", zero_stage=2)}, planted)
+    try:
+        assert b"raytrain_hymt" in planted.read_bytes()  # the check above would see one
+    finally:
+        planted.unlink()
+
+
 def test_loss_falls_and_mlflow_has_the_run(finished_run):
     import mlflow
 
