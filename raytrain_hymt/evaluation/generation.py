@@ -136,6 +136,16 @@ def static_greedy(model, enc, max_new_tokens: int, stop_ids: Sequence[int], pad_
     return decoder.run(enc, max_new_tokens)
 
 
+def attn_implementation(model) -> str:
+    """The attention implementation ``model`` runs with now (``attn_implementation=`` at load, or the last
+    ``set_attn_implementation``).
+
+    transformers 5.24.0 has no public getter: ``config._attn_implementation`` is what its own attention
+    layers read at every forward (``test_generation.py`` checks that it still reports the setter's value).
+    """
+    return model.config._attn_implementation
+
+
 class StaticGreedy:
     """Greedy decoding of up to ``rows`` rows with a static KV cache of ``cache_len`` positions.
 
@@ -184,13 +194,17 @@ class StaticGreedy:
 
     @contextlib.contextmanager
     def _sdpa(self):
-        config = self.model.config
-        before = config._attn_implementation
-        config._attn_implementation = "sdpa" if before not in ("sdpa", "eager") else before
+        before = attn_implementation(self.model)
+        during = "sdpa" if before not in ("sdpa", "eager") else before
+        if during == before:
+            yield
+            return
+        # set_attn_implementation is transformers' public switch (a peft wrapper hands it to its base model).
+        self.model.set_attn_implementation(during)
         try:
             yield
         finally:
-            config._attn_implementation = before
+            self.model.set_attn_implementation(before)
 
     def _forward(self, ids, attention_mask, position_ids):
         return self.model(input_ids=ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,

@@ -68,7 +68,6 @@ def load_model(
             bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id,
         )
-        cfg._attn_implementation = attn_implementation
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn_implementation)
     else:
         model = AutoModelForCausalLM.from_pretrained(

@@ -88,3 +88,37 @@ def test_static_decoding_stops_where_generate_stops_on_a_trained_model(finished_
     before = generator.new_tokens(enc, static=False)
     after = generator.new_tokens(enc, static=True)
     assert before.shape[1] < 64 and after.tolist() == before.tolist()
+
+
+def test_decoding_switches_attention_to_sdpa_and_back_through_transformers_public_setter():
+    """Static decoding runs through SDPA whatever the model trains with, then gives the model its own
+    attention back (``set_attn_implementation``). Reading the current one relies on transformers 5.24.0's
+    private ``config._attn_implementation`` (no public getter): this fails if that attribute stops
+    reporting what ``attn_implementation=`` and the setter chose, or if the layers stop following it."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import sdpa_mask
+
+    from raytrain_hymt.evaluation.generation import attn_implementation
+    from raytrain_hymt.tokenizer import load_tokenizer
+    from raytrain_hymt.train.model import load_model
+
+    calls = []
+
+    def probe(*args, **kwargs):  # SDPA itself, counted: a stand-in for flex attention that runs on CPU
+        calls.append(1)
+        return sdpa_attention_forward(*args, **kwargs)
+
+    AttentionInterface.register("hymt_probe", probe)
+    AttentionMaskInterface.register("hymt_probe", sdpa_mask)
+    tok = load_tokenizer("tiny")
+    assert attn_implementation(load_model("tiny", tok, attn_implementation="eager")) == "eager"
+    g = load_generator("tiny", "fp32", 12, use_gpu=False)
+    assert attn_implementation(g.model) == "sdpa"
+    g.model.set_attn_implementation("hymt_probe")
+    assert attn_implementation(g.model) == "hymt_probe"
+    g.translate(SOURCES[:1], SRC[:1], TGT[:1], static=False)  # generate() keeps the model's attention
+    assert calls
+    calls.clear()
+    assert g.translate(SOURCES, SRC, TGT, static=True) == PINNED
+    assert not calls and attn_implementation(g.model) == "hymt_probe"
