@@ -15,7 +15,7 @@ def end_rank() -> NoReturn:
     A gloo worker thread frees the work of the collective it just ran after the rank has been told that the
     collective finished, and freeing a tensor Python also holds takes the GIL. If the interpreter is shutting
     down by then, Python ends that thread inside a C++ destructor, and a rank whose work is done aborts
-    ("terminate called without an active exception", exit -6; docs/rank-exit.md has the backtrace).
+    ("terminate called without an active exception", exit -6; docs/fault-tolerance.md explains it).
     ``destroy_process_group`` does not stop those threads here: DeepSpeed's engine, and default arguments
     bound when ``torch.distributed.nn.functional`` and ``deepspeed.comm.torch`` are imported after the group
     exists, keep the groups alive past it.

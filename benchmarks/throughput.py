@@ -35,12 +35,12 @@ PRESET_CASE = "preset"
 SAFE_GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 _FLEX_PACKED = ["data.packing=true", "model.attn_implementation=flex_attention"]
-#: Named cases: the tutorial's recipe first (the baseline), then one lever at a time.
+#: Named cases: the naive recipe first (the baseline; named tutorial-zero3), then one lever at a time.
 CASES: dict[str, list[str]] = {
-    # The tutorial: one pair per row padded to the longest, micro-batch 4, accumulation 4, ZeRO-3.
+    # The baseline: one pair per row padded to the longest, micro-batch 4, accumulation 4, ZeRO-3.
     "tutorial-zero3": ["data.packing=false", "model.attn_implementation=sdpa", "optim.micro_batch_size=4",
                        "optim.grad_accum=4", "deepspeed.zero_stage=3"],
-    # FACTS.md's best plain-DeepSpeed row: packed 1×4096 rows, flex attention with a document mask.
+    # The best plain-DeepSpeed recipe measured earlier: packed 1×4096 rows, flex attention with a document mask.
     "z2-flex-4k-a4": [*_FLEX_PACKED, "optim.micro_batch_size=1", "optim.grad_accum=4", "deepspeed.zero_stage=2"],
     "z2-flex-liger-4k-a4": [*_FLEX_PACKED, "model.fused_loss=true", "optim.micro_batch_size=1",
                             "optim.grad_accum=4", "deepspeed.zero_stage=2"],

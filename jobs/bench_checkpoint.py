@@ -130,7 +130,7 @@ def _checkpoint_figures(rank: int, world: int, port: int, layers: int | None, gp
     check_s = restore_s = None
     try:
         import pyarrow.fs
-    except ImportError:  # the GPU image may lack pyarrow (FACTS.md); the other figures still stand
+    except ImportError:  # the GPU image may lack pyarrow; the other figures still stand
         pyarrow = None
     if pyarrow is not None and world == 1:
         started = time.perf_counter()

@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.check_mask:
         print(f"document mask check (packed vs separate, max |Δlogit|): {document_mask_check():.2e}", flush=True)
-    # Default: the tutorial's recipe, the fastest measured configuration, and the same without Ray.
+    # Default: the naive baseline (ZeRO-3, padded pairs), the fastest measured configuration, and the same without Ray.
     cases = args.case or ["tutorial-zero3", "z2-flex-liger-compile-8k-a8", "z2-flex-liger-compile-8k-a8@torchrun"]
     results = run_benchmark(cases, shape=args.shape, layers=args.layers, tied=not args.untied, steps=args.steps,
                             warmup=args.warmup, workers=args.workers, use_gpu=not args.cpu, out_dir=args.out,

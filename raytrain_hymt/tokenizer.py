@@ -1,7 +1,7 @@
 """The tokenizer: a local folder or hub id, or the tiny offline stand-in (a byte-level BPE trained on the
 bundled sample corpus, saved with a chat template in Hunyuan's turn format), and the ``model.name_or_path``
 values with a meaning of their own. Tokenizing needs none of the model code: the data layer loads it from
-here. (transformers' ``AutoTokenizer`` still imports torch, ~2 CPU-s per tokenizer actor: docs/suite-time.md.)"""
+here. (transformers' ``AutoTokenizer`` still imports torch, ~2 CPU-s per tokenizer actor on a 2-core CPU machine.)"""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 TINY_MODEL = "tiny"
 TINY_TOKENIZER_DIR = Path(__file__).parent / "assets" / "tiny-tokenizer"
 
-# Hunyuan dense turn format (FACTS.md; the official finetune.py and LLaMA-Factory's `hunyuan` template):
+# Hunyuan dense turn format (Tencent's official finetune.py and LLaMA-Factory's `hunyuan` template):
 # <|startoftext|> + system{c}<|extra_4|> + user{c}<|extra_0|> + assistant{c}<|eos|>.
 # A generation prompt adds nothing: the model answers right after <|extra_0|>.
 HUNYUAN_CHAT_TEMPLATE = (

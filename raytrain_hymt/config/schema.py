@@ -94,7 +94,7 @@ class DataConfig(_Section):
     """Fail when more than this share of lines is malformed or not valid UTF-8 (below it: counted)."""
     packing: bool = True
     """Pack several examples per row with document-masked attention (fast); off: one padded example
-    per row (the tutorial's way)."""
+    per row, padded to the longest (slow)."""
     pack_tokens: int = Field(1024, ge=16)
     """Tokens per packed row (the micro-batch row length)."""
     tokenize_actors: int = Field(1, ge=1)
@@ -222,7 +222,7 @@ class DeepSpeedConfig(_Section):
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
     """Training precision; fp16 only on GPUs (DeepSpeed's CPU accelerator does not support it)."""
     communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
-    """Data type of gradient all-reduce (the tutorial's fp16 compression hook, DeepSpeed's way);
+    """Data type of gradient all-reduce (DeepSpeed's form of DDP's fp16 compression hook);
     None: the training precision."""
     activation_checkpointing: bool = False
     """Recompute activations in backward (less memory, ~30% more compute)."""
@@ -231,7 +231,7 @@ class DeepSpeedConfig(_Section):
     overlap_comm: bool = True
     """Overlap gradient reduction with backward."""
     config_file: str | None = None
-    """A DeepSpeed JSON of your own (the tutorial's ``ds_config.json`` style; "auto" values are filled
+    """A DeepSpeed JSON of your own (a ``ds_config.json`` as DeepSpeed documents it; "auto" values are filled
     from this config). A value that contradicts this config is an error."""
 
 

@@ -32,7 +32,7 @@ Why the row layout alone is not enough, and what the collate does about it (tran
   eager adds the mask to the scores, flex passes a ``BlockMask`` as ``block_mask``. So the mask must itself
   be causal *and* block-diagonal, which is what :func:`document_attention_mask` builds.
 * A 2-D ``[B,L]`` padding mask is turned into a plain causal+padding mask: restarted ``position_ids`` only
-  change RoPE, and attention crosses examples (FACTS.md; ``tests/unit/test_packing.py`` proves it).
+  change RoPE, and attention crosses examples (``tests/unit/test_packing.py`` proves it).
 * With ``attention_mask=None`` (and no cache) transformers 5.24 itself infers documents from restarts in
   ``position_ids`` (``find_packed_sequence_indices``). We do not rely on that: it is silently off as soon
   as any 2-D mask or a cache is passed, and padding would merge into the last document.
@@ -321,7 +321,7 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
     ``labels[:, 1:]``); positions with label ``-100`` are skipped. In a packed row this never crosses a
     document boundary because every document's first label is ``-100`` (guaranteed by the rows built here
     and checked by :func:`collate`). ``n_tokens`` equals ``collate``'s ``num_target_tokens``. Divide by
-    the token count of the whole global step (FACTS.md, loss normalisation), not per micro-batch.
+    the token count of the whole global step, not per micro-batch.
     Only the target positions are upcast to fp32, which keeps the [tokens, vocab] copy small.
     """
     import torch

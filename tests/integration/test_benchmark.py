@@ -1,7 +1,7 @@
 """The GPU benchmark (jobs/benchmark.py, benchmarks.throughput) on CPU: its pure parts, and one real smoke run
 of the tiny model through TorchTrainer and through torchrun on the same batches. GPU-only parts (flex
 attention training, Liger's fused loss, torch.compile) are skipped here with the reason; their figures
-come from the benchmark on 2×H200 (docs/gpu-benchmark.md)."""
+come from the benchmark on 2×H200 (benchmarks/results/2026-11-30-gpu-throughput-2xh200.md)."""
 
 from __future__ import annotations
 
