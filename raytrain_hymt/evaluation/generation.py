@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-#: The model card's suggested sampling (FACTS.md); written into the exported generation_config.json.
+#: The Hunyuan-MT model card's suggested sampling; written into the exported generation_config.json.
 GENERATION_DEFAULTS = {"do_sample": True, "top_k": 20, "top_p": 0.6, "repetition_penalty": 1.05, "temperature": 0.7}
 
 log = logging.getLogger("raytrain_hymt")

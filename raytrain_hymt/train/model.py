@@ -84,7 +84,7 @@ def load_model(
 
 
 def hunyuan_7b_config(layers: int = 32, tie_word_embeddings: bool = True, **overrides) -> dict:
-    """``config.json`` contents of the Hunyuan-7B shape (FACTS.md): hidden 4096, 32 heads, 8 KV heads,
+    """``config.json`` contents of the Hunyuan-7B shape (as in Hunyuan-MT-7B's own config.json): hidden 4096, 32 heads, 8 KV heads,
     head_dim 128, intermediate 14336, vocab 128167; tied embeddings give 7.50 B parameters, untied 8.03 B.
     ``layers`` < 32 gives the full-width, reduced-depth models that benchmarks screen levers on."""
     shape = dict(
