@@ -12,7 +12,7 @@ from raytrain_hymt.config.schema import load_config
 from raytrain_hymt.errors import ConfigError
 
 SECRET = "wJalrXUtnFEMI-K7MDENG-9090"
-#: The tutorial's NCCL settings (README troubleshooting table) plus an object store's credentials.
+#: The NCCL settings of the README's environment-variables table plus an object store's credentials.
 ENV = {"NCCL_DEBUG": "INFO", "NCCL_SOCKET_IFNAME": "eth0", "NCCL_IB_DISABLE": 1, "NCCL_ALGO": "Ring",
        "AWS_ACCESS_KEY_ID": "AKIDEXAMPLE", "AWS_SECRET_ACCESS_KEY": SECRET, "HF_TOKEN": SECRET}
 
