@@ -133,30 +133,34 @@ def _tuner(cfg: Config, search_dir: Path, trainable, total_steps: int, concurren
 
 
 def _rows(grid, search_dir: Path, total_steps: int) -> list[TrialRow]:
-    """The table rows of a ``ResultGrid``. Its Trial objects carry what a ``Result`` lacks: the id;
-    ``Result``s come in the same order. The status comes from the saved experiment state: after Ctrl+C
-    Tune stops the running trials and calls them TERMINATED in memory (as it does a trial ASHA stopped),
-    while the saved state, which a restore continues, keeps them unfinished."""
+    """The table rows of a ``ResultGrid``: metrics and error from each ``Result``; the trial's id, config
+    and status from the saved experiment state (``ExperimentAnalysis``), matched by trial folder, since a
+    trial that never reported has neither id nor config in its ``Result``. The status is the saved one on
+    purpose: after Ctrl+C Tune stops the running trials and calls them TERMINATED in memory (as it does a
+    trial ASHA stopped), while the saved state, which a restore continues, keeps them unfinished."""
     from ray.tune import ExperimentAnalysis
 
-    saved_status = {t.trial_id: t.status for t in ExperimentAnalysis(grid.experiment_path).trials}
+    saved = {Path(t.path).name: t for t in ExperimentAnalysis(grid.experiment_path).trials}
     rows = []
-    for trial, result in zip(grid._experiment_analysis.trials, grid):
+    for result in grid:
         metrics = result.metrics or {}
+        trial = saved.get(Path(result.path).name)
+        trial_id = trial.trial_id if trial is not None else metrics["trial_id"]
         steps = int(metrics.get(TIME_ATTR, 0))
         if result.error is not None:
             status = f"error: {type(result.error).__name__}"
-        elif saved_status.get(trial.trial_id, trial.status) != "TERMINATED":
+        elif trial is None or trial.status != "TERMINATED":  # not saved as finished: a restore runs it
             status = "unfinished"
         else:
             status = "done" if steps >= total_steps else "stopped"
-        run_dir = search_dir / f"trial-{trial.trial_id}"
-        saved = json.loads((run_dir / RUN_FILE).read_text()) if (run_dir / RUN_FILE).exists() else {}
+        run_dir = search_dir / f"trial-{trial_id}"
+        saved_run = json.loads((run_dir / "run.json").read_text()) if (run_dir / "run.json").exists() else {}
         val = metrics.get(METRIC)
         rows.append(TrialRow(
-            trial_id=trial.trial_id, params=flatten(trial.config), val_loss=float(val) if val is not None else None,
-            steps=steps, stopped_early=status == "stopped", status=status, run_dir=str(run_dir),
-            checkpoint=metrics.get("checkpoint_path"), mlflow_run_id=saved.get("mlflow_run_id"),
+            trial_id=trial_id, params=flatten(trial.config if trial is not None else result.config or {}),
+            val_loss=float(val) if val is not None else None, steps=steps, stopped_early=status == "stopped",
+            status=status, run_dir=str(run_dir), checkpoint=metrics.get("checkpoint_path"),
+            mlflow_run_id=saved_run.get("mlflow_run_id"),
         ))
     return rows
 
