@@ -36,9 +36,10 @@ import os
 import random
 import re
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
-from argparse import Namespace
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -364,18 +365,23 @@ def universal_dir(checkpoint: str) -> Path:
 def convert_to_universal(folder: str, tag: str, out: Path, workers: int | None = None) -> float:
     """Write the universal form of DeepSpeed checkpoint ``<folder>/<tag>`` to ``<out>/<tag>``; seconds taken.
 
-    ``workers``: processes that extract the ZeRO fragments (default: half the CPUs, at least 1).
+    ``workers``: processes that extract the ZeRO fragments (default: half the CPUs, at least 1). Runs
+    DeepSpeed's documented command line (``python -m deepspeed.checkpoint.ds_to_universal``) in a child
+    process; a failed conversion raises ``RuntimeError`` with the end of its output.
     """
-    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
-
     started = time.perf_counter()
     shutil.rmtree(out, ignore_errors=True)
     n = workers or max(1, (os.cpu_count() or 2) // 2)
-    # inject_missing_state: DeepSpeed records the universal-checkpoint info only for Megatron-style
+    # --inject_missing_state: DeepSpeed records the universal-checkpoint info only for Megatron-style
     # models; a Hugging Face model has no tensor or pipeline parallelism, so the version stamp is all it needs.
-    ds_to_universal(Namespace(input_folder=str(Path(folder, tag)), output_folder=str(out / tag),
-                              num_extract_workers=n, num_merge_workers=max(1, n // 2), keep_temp_folder=False,
-                              strict=True, inject_missing_state=True))
+    command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
+               "--input_folder", str(Path(folder, tag)), "--output_folder", str(out / tag),
+               "--num_extract_workers", str(n), "--num_merge_workers", str(max(1, n // 2)), "--inject_missing_state"]
+    done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
+    log.debug("%s", done.stdout)
+    if done.returncode != 0:
+        tail = "\n".join(done.stdout.strip().splitlines()[-20:])
+        raise RuntimeError(f"{folder}/{tag}: DeepSpeed's ds_to_universal exited with status {done.returncode}:\n{tail}")
     return time.perf_counter() - started
 
 

@@ -99,6 +99,17 @@ def test_a_conversion_sees_only_the_files_the_saving_ranks_listed(tmp_path):
     assert len(saved_files(str(ckpt), 2)) == 3
 
 
+def test_a_failed_conversion_raises_with_deepspeeds_own_words(tmp_path):
+    """The conversion runs DeepSpeed's ds_to_universal command line: a folder it cannot convert is a
+    RuntimeError that quotes the end of its output (load_resharded shares it with every rank)."""
+    from raytrain_hymt.train.checkpoint import convert_to_universal
+
+    (tmp_path / "ckpt" / "step00000004").mkdir(parents=True)
+    with pytest.raises(RuntimeError, match=r"ds_to_universal exited with status [1-9]") as e:
+        convert_to_universal(str(tmp_path / "ckpt"), "step00000004", tmp_path / "out", workers=1)
+    assert "step00000004" in str(e.value) and len(str(e.value).splitlines()) > 1
+
+
 def _faults(monkeypatch, record_dir: Path, *faults: dict) -> None:
     monkeypatch.setenv("HYMT_FAULTS", json.dumps([NAN_FAULT, *faults]))
     monkeypatch.setenv("HYMT_RECORD_DIR", str(record_dir))
