@@ -20,9 +20,11 @@ DeepSpeed 0.19.8 refuses to load ZeRO optimizer partitions saved at another data
 supported"). Its universal checkpoint format gets around that: ``ds_to_universal`` turns the saved
 partitions into one file per parameter and state (``zero/<name>/fp32.pt``, ``exp_avg.pt``,
 ``exp_avg_sq.pt`` and the optimizer step), whole, and an engine whose config has ``checkpoint.load_universal``
-cuts its own partitions out of them. The checkpoint in storage stays the ordinary one: the conversion
-runs only when a run resumes on another count, once per node (local rank 0, into a node-local temp folder
-that is removed after the load), and every other resume loads the shards as before.
+cuts its own partitions out of them. DeepSpeed takes that switch at ``deepspeed.initialize`` only, so the
+worker reads the state of the checkpoint it will resume from before it builds its engine. The checkpoint
+in storage stays the ordinary one: the conversion runs only when a run resumes on another count, once per
+node (local rank 0, into a node-local temp folder that is removed after the load), and every other resume
+loads the shards as before.
 
 ZeRO-0 needs none of this: its optimizer state is not partitioned, so any worker count loads it.
 """
@@ -263,6 +265,12 @@ def saved_files(folder: str, world: int) -> list[str]:
     return files
 
 
+def needs_universal(state: RunState, world: int) -> bool:
+    """Whether a checkpoint of ``state`` loads on ``world`` workers only through DeepSpeed's universal form:
+    ZeRO-1/2/3 partitions saved at another worker count (``load_resharded``)."""
+    return world != state.world_size and state.zero_stage > 0
+
+
 def restore_rank(engine, folder: str, rank: int, world: int | None = None, local_rank: int = 0, device=None,
                  where: str | None = None) -> RunState:
     """Load this rank's DeepSpeed shard, scheduler and RNG states from a merged checkpoint folder.
@@ -276,9 +284,12 @@ def restore_rank(engine, folder: str, rank: int, world: int | None = None, local
         state = RunState(**json.load(f))
     # A LoRA checkpoint has no frozen weights: those stay as loaded from the base (checked: base_model).
     strict = state.base_model is None
-    if world is not None and world != state.world_size and state.zero_stage > 0:
-        from raytrain_hymt.train.checkpoint import load_resharded
-
+    universal = world is not None and needs_universal(state, world)
+    if engine.load_universal_checkpoint() != universal:
+        # DeepSpeed takes the switch from the config given to initialize (Worker.build decides it).
+        raise RuntimeError(f"{where or folder}: saved on {state.world_size} workers, loaded on {world}: the engine "
+                           f"must be initialised with checkpoint.load_universal={universal}")
+    if universal:
         load_path = load_resharded(engine, folder, state.tag, where or folder, local_rank, device, strict,
                                    files=saved_files(folder, state.world_size))
     else:
@@ -397,7 +408,8 @@ def linked_view(folder: str, files: list[str], view: Path) -> Path:
 
 def load_resharded(engine, folder: str, tag: str, checkpoint: str, local_rank: int, device,
                    load_module_strict: bool, files: list[str]):
-    """Load checkpoint ``folder`` (saved at another worker count) into ``engine`` through its universal form.
+    """Load checkpoint ``folder`` (saved at another worker count) into ``engine`` through its universal form;
+    ``engine`` was initialised with ``checkpoint.load_universal`` (``engine.build_ds_config``).
 
     Local rank 0 of each node converts, the others wait (an all-reduce that also tells every rank whether
     any conversion failed); then every rank loads its new partition. ``files``: the checkpoint's own files
@@ -419,13 +431,10 @@ def load_resharded(engine, folder: str, tag: str, checkpoint: str, local_rank: i
         raise failed
     if failures:
         raise RuntimeError(f"{checkpoint}: the conversion to a universal checkpoint failed on {int(failures)} node(s)")
-    # DeepSpeed reads the switch from its config at load time (engine.load_universal_checkpoint()).
-    engine._config.load_universal_checkpoint = True
     try:
         load_path, _ = engine.load_checkpoint(str(out), tag=tag, load_lr_scheduler_states=True,
                                               load_module_strict=load_module_strict)
     finally:
-        engine._config.load_universal_checkpoint = False
         # On every path, so the ranks' all-reduces stay paired: every rank has read the folder (or failed)
         # before it goes.
         all_reduce_sum([0.0], device)

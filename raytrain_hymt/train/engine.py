@@ -21,8 +21,11 @@ from raytrain_hymt.config.schema import Config, LoraConfig
 from raytrain_hymt.errors import ConfigError
 
 
-def build_ds_config(cfg: Config, world_size: int, on_gpu: bool) -> dict[str, Any]:
-    """The DeepSpeed config for ``cfg`` on ``world_size`` workers, merged with the user's JSON if given."""
+def build_ds_config(cfg: Config, world_size: int, on_gpu: bool, load_universal: bool = False) -> dict[str, Any]:
+    """The DeepSpeed config for ``cfg`` on ``world_size`` workers, merged with the user's JSON if given.
+
+    ``load_universal``: the engine will load a universal checkpoint (a resume on another worker count,
+    ``checkpoint.load_resharded``); DeepSpeed reads ``checkpoint.load_universal`` only when it loads."""
     ds, opt = cfg.deepspeed, cfg.optim
     zero: dict[str, Any] = {
         "stage": ds.zero_stage,
@@ -61,6 +64,8 @@ def build_ds_config(cfg: Config, world_size: int, on_gpu: bool) -> dict[str, Any
         config["communication_data_type"] = ds.communication_data_type  # the names DeepSpeed uses
     if ds.config_file:
         config = merge_user_ds_config(config, json.loads(Path(ds.config_file).read_text()), ds.config_file)
+    if load_universal:  # after the user's JSON: its own checkpoint settings stay, this one is the resume's
+        config["checkpoint"] = {**config.get("checkpoint", {}), "load_universal": True}
     return config
 
 
@@ -119,8 +124,10 @@ def apply_lora(model, lora: LoraConfig):
     return get_peft_model(model, peft_config)
 
 
-def initialize_engine(model, cfg: Config, world_size: int, total_steps: int, on_gpu: bool):
-    """``deepspeed.initialize`` with our config and schedule; returns ``(engine, ds_config)``."""
+def initialize_engine(model, cfg: Config, world_size: int, total_steps: int, on_gpu: bool,
+                      load_universal: bool = False):
+    """``deepspeed.initialize`` with our config and schedule; returns ``(engine, ds_config)``.
+    ``load_universal``: see :func:`build_ds_config`."""
     import deepspeed
     import torch
 
@@ -128,7 +135,7 @@ def initialize_engine(model, cfg: Config, world_size: int, total_steps: int, on_
 
     use_this_environments_ninja()  # DeepSpeed builds or loads its ops in initialize, nowhere earlier
 
-    ds_config = build_ds_config(cfg, world_size, on_gpu)
+    ds_config = build_ds_config(cfg, world_size, on_gpu, load_universal)
     opt = cfg.optim
 
     def scheduler(optimizer):

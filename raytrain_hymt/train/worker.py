@@ -100,7 +100,10 @@ class Worker:
         self.total_steps = opt.max_steps or opt.epochs * self.per_epoch
         self.global_rows = self.world * self.accum * opt.micro_batch_size
 
-    def build(self) -> None:
+    def build(self, load_universal: bool | None = None) -> None:
+        """Load the model and initialise its DeepSpeed engine. ``load_universal`` (default: whether the
+        checkpoint this run resumes from was saved on another worker count, ``resumes_universal``): the
+        engine loads DeepSpeed's universal checkpoints, a switch DeepSpeed takes at initialize only."""
         from raytrain_hymt.train.checkpoint import base_identity
         from raytrain_hymt.train.engine import initialize_engine
         from raytrain_hymt.train.flops import matmul_params, peak_flops
@@ -119,8 +122,10 @@ class Worker:
         if cfg.model.compile:
             for layer in model.get_decoder().layers:
                 layer.compile()
+        if load_universal is None:
+            load_universal = self.resumes_universal()
         self.engine, self.ds_config = initialize_engine(
-            model, cfg, self.world, self.total_steps, on_gpu=self.device.type == "cuda"
+            model, cfg, self.world, self.total_steps, on_gpu=self.device.type == "cuda", load_universal=load_universal
         )
         if not cfg.model.fused_loss:  # after initialize, which may have moved the weights
             align_frozen_head(self.engine.module)
@@ -151,6 +156,28 @@ class Worker:
             mask_dtype=self.mask_dtype, device=self.device, pad_to=pad_to,
         )
 
+    def resumes_universal(self) -> bool:
+        """Whether the checkpoint ``restore`` will try first (the newest whole one) loads only through
+        DeepSpeed's universal form on this worker count."""
+        import ray.train
+
+        from raytrain_hymt.train.checkpoint import (
+            IncompleteCheckpointError,
+            check_checkpoint,
+            needs_universal,
+            older_checkpoints,
+        )
+
+        latest = ray.train.get_checkpoint()
+        if latest is None:
+            return False
+        for path in [latest.path, *older_checkpoints(latest.filesystem, latest.path)]:
+            try:
+                return needs_universal(check_checkpoint(latest.filesystem, path), self.world)
+            except IncompleteCheckpointError:
+                continue
+        return False
+
     def restore(self):
         """Resume from the newest whole checkpoint of this run, if any: ``RunState`` or None.
 
@@ -166,6 +193,7 @@ class Worker:
             check_base_model,
             check_checkpoint,
             check_same_shape,
+            needs_universal,
             next_generation,
             older_checkpoints,
             restore_rank,
@@ -188,6 +216,11 @@ class Worker:
             if self.base_model is not None:
                 check_base_model(saved.base_model, f"resuming from {path}", self.cfg.model.name_or_path,
                                  self.cfg.run.seed)
+            if needs_universal(saved, self.world) != self.engine.load_universal_checkpoint():
+                # A fallback across a change of worker count: only a new engine takes the other switch.
+                self.engine.destroy()
+                self.engine = None
+                self.build(load_universal=needs_universal(saved, self.world))
             error = None
             try:
                 with ray.train.Checkpoint(path, filesystem=fs).as_directory() as folder:

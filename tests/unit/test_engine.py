@@ -50,6 +50,16 @@ def test_ds_config_of_each_mode():
     assert z0["zero_optimization"]["overlap_comm"] is False
 
 
+def test_a_resume_on_another_worker_count_turns_on_universal_loading(tmp_path):
+    # DeepSpeed takes checkpoint.load_universal at initialize only; a user's own checkpoint settings stay.
+    assert "checkpoint" not in build_ds_config(cfg(), 2, False)
+    assert build_ds_config(cfg(), 2, False, load_universal=True)["checkpoint"] == {"load_universal": True}
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps({"checkpoint": {"tag_validation": "Ignore"}}))
+    ds = build_ds_config(cfg(f"deepspeed.config_file={path}"), 2, False, load_universal=True)
+    assert ds["checkpoint"] == {"tag_validation": "Ignore", "load_universal": True}
+
+
 def test_user_json_auto_values_are_filled_and_extras_kept(tmp_path):
     user = {
         "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
