@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("raytrain_hymt")
 
 STATE_FILE = "state.json"
 HF_DIR = "hf"
@@ -362,7 +362,6 @@ def check_base_model(saved: dict | None, doing: str, name_or_path: str | None = 
         )
 
 
-log = logging.getLogger("raytrain_hymt")
 
 
 def universal_dir(checkpoint: str) -> Path:
