@@ -2,13 +2,14 @@
 
 Explicit run ids (``MlflowClient``), never ``mlflow.start_run``: Ray restarts workers, and a global run would not last.
 The driver logs before and after ``fit``, rank 0 during it (never both at once, so only one creates the job's run).
-Metrics go through MLflow's async queue, which drops a failed batch: ours keeps each until MLflow took it.
 
-The MLflow side of a job's tracking: which store (URI), how long one request may take, what the store
-accepts (names, lengths) and which of its errors mean "try later", and which experiment and run a job logs to.
+A :class:`Tracker` holds what MLflow has yet to take and the outage state. It finds the run and sends params, tags
+and artifacts from the caller's thread; metrics go out from its own thread, one synchronous ``log_batch`` at a time,
+so that a training step never waits for the store, and each batch stays queued until MLflow took it. The functions
+below it are the MLflow side: which store (URI), how long one request may take, what the store accepts (names,
+lengths), which of its errors mean "try later", and which experiment and run a job logs to.
 
-Stateless: the tracker (:mod:`raytrain_hymt.tracking.tracker`) holds the queue and the outage state. Importing this
-module does not import mlflow (ranks != 0 and GPU images without mlflow only need a NullTracker).
+Importing this module does not import mlflow (ranks != 0 and GPU images without mlflow only need a NullTracker).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +53,7 @@ class NullTracker:
 
 class Tracker:
     """MLflow run of one job, tolerant of server outages; create with :meth:`start`. ``run_id``: the requested id until
-    the run is found (None: none yet). ``new_measurements``: see :class:`~raytrain_hymt.tracking.tracker.RunContents`."""
+    the run is found (None: none yet). ``new_measurements``: see :class:`RunContents`."""
 
     def __init__(self, *, tracking_uri: str, experiment: str, run_name: str, run_id: str | None, local_dir: str | Path,
                  run_key: str | None = None, tensorboard: bool = False, parent_run_id: str | None = None,
@@ -61,7 +63,8 @@ class Tracker:
         self.run_id, self.experiment_id = run_id, None
         self.retry_interval_s, self.max_pending, self.new_measurements = retry_interval_s, max_pending, new_measurements
         self._lock = threading.RLock()  # a metrics callback thread may log next to the training loop
-        self._client = self._inflight = self._status = None  # _inflight: (RunOperations, metrics) of the batch out
+        self._client = self._inflight = self._status = None  # _inflight: (Future, metrics) of the batch out
+        self._sender: ThreadPoolExecutor | None = None  # the thread that sends metric batches, started with the first
         self._attached = self._offline = self._closed = False
         self._next_try = 0.0  # while offline, MLflow is not tried before this
         self._metrics: list = []  # mlflow.entities.Metric (original timestamps) that MLflow has yet to take
@@ -83,10 +86,7 @@ class Tracker:
     def offline(self) -> bool:
         """True while the tracking server is considered unreachable (after the batch in flight, which may decide it)."""
         with self._lock:
-            try:
-                self._harvest(wait=True)
-            except Exception as exc:  # _settle lets only outages through
-                self._go_offline(exc)
+            self._settle_inflight()
             return self._offline
 
     def log_params(self, params: Mapping) -> None:
@@ -142,6 +142,9 @@ class Tracker:
                 return
             self._closed, self._status = True, status
             self._sync(force=True, drain=True)
+            self._settle_inflight()  # a batch still out when _sync stopped at an outage: queued again, counted below
+            if self._sender is not None:
+                self._sender.shutdown()
             if self._metrics or self._calls or self._status:
                 logger.warning("MLflow run %s could not be updated at the end (server unreachable); %d metric(s) are "
                                "only in %s", self.run_id or "(never created)", len(self._metrics), self._local.path)
@@ -155,7 +158,7 @@ class Tracker:
     def _tags_call(self, tags: Mapping) -> tuple[str, Send]:
         from mlflow.entities import RunTag
         clean = [RunTag(clean_key(k), str(v)[:MAX_TAG_VAL_LENGTH]) for k, v in redact(dict(tags)).items()]
-        return "tags", lambda client: client.log_batch(self.run_id, tags=clean)
+        return "tags", lambda client: client.log_batch(self.run_id, tags=clean, synchronous=True)
 
     def _send_params(self, params: dict[str, str], client) -> None:
         from mlflow.entities import Param
@@ -164,7 +167,9 @@ class Tracker:
             logger.warning("Param %r is already %r in MLflow run %s; not changed to %r (MLflow params are immutable; "
                            "the new value is in %s)", key, known[key], self.run_id, params[key], self._local.path)
         new = {k: v for k, v in params.items() if k not in known}
-        client.log_batch(self.run_id, params=[Param(k, v) for k, v in new.items()])  # sent 100 a request by MLflow
+        # Sent 100 a request by MLflow; synchronous=True even if $MLFLOW_ENABLE_ASYNC_LOGGING is set, as an async
+        # call's failure would never reach _settle.
+        client.log_batch(self.run_id, params=[Param(k, v) for k, v in new.items()], synchronous=True)
         known.update(new)
 
     def _sync(self, force: bool = False, at_start: bool = False, drain: bool = False) -> None:
@@ -180,7 +185,7 @@ class Tracker:
             self._harvest(wait=drain)
             while self._metrics and self._inflight is None:
                 batch, self._metrics = self._metrics[:MAX_METRICS_PER_BATCH], self._metrics[MAX_METRICS_PER_BATCH:]
-                self._inflight = (self._client.log_batch(self.run_id, metrics=batch, synchronous=False), batch)
+                self._inflight = (self._send_metrics(batch), batch)
                 self._harvest(wait=drain)
             if self._status and self._inflight is None:
                 self._call("run status", lambda client: client.set_terminated(self.run_id, self._status))
@@ -190,17 +195,29 @@ class Tracker:
                 raise
             self._go_offline(exc)
 
+    def _send_metrics(self, batch: list) -> Future:
+        """Hand ``batch`` to the tracker's sender thread: training goes on while the request takes its time."""
+        if self._sender is None:
+            self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlflow-metrics")
+        return self._sender.submit(self._client.log_batch, self.run_id, metrics=batch, synchronous=True)
+
     def _harvest(self, wait: bool) -> None:
         """Settle the batch in flight once it is done (``wait``: wait for it); after an outage it is queued again."""
         if self._inflight is None:
             return
-        operations, batch = self._inflight
-        # RunOperations.wait() folds errors into one HTTP-500 MlflowException ("outage"); futures keep the real ones.
-        if wait or all(f.done() for f in operations._operation_futures):
+        future, batch = self._inflight
+        if wait or future.done():
             self._inflight = None
-            exc = next((f.exception() for f in operations._operation_futures if f.exception()), None)
+            exc = future.exception()  # blocks until the request ended: answered, refused or timed out
             self._metrics[:0] = batch if exc is not None and is_outage(exc) else []
             self._settle("metrics", exc)
+
+    def _settle_inflight(self) -> None:
+        """Wait for the batch in flight and settle it; an outage it ends in makes the tracker offline."""
+        try:
+            self._harvest(wait=True)
+        except Exception as exc:  # _settle lets only outages through
+            self._go_offline(exc)
 
     def _call(self, what: str, send: Send) -> None:
         try:
@@ -238,7 +255,7 @@ class Tracker:
 
         client = self._client = self._client or MlflowClient(tracking_uri=self.tracking_uri)
         run = find_or_create_run(client, self.tracking_uri, self.experiment, self.run_name, self.run_id, self.run_key)
-        self._run_has = RunContents(run, every_step=self.new_measurements)
+        self._run_has = RunContents(client, run, every_step=self.new_measurements)
         history = [Metric(k, v, int(t * 1000), s) for k, v, s, t in read_metrics(self._local.path, self._history_end)]
         self._metrics = self._run_has.admit(history + self._metrics)
         self.run_id, self.experiment_id, self._attached = run.info.run_id, run.info.experiment_id, True
@@ -292,9 +309,6 @@ def set_http_defaults() -> None:
     """Turn MLflow's HTTP retries/timeouts down to a bounded delay, keeping values the user already set."""
     for name, value in HTTP_ENV_DEFAULTS.items():
         os.environ.setdefault(name, value)
-    # MLflow's async queue logs each failed batch with the request URL, password included; the tracker says it
-    # itself, redacted and once per outage.
-    logging.getLogger("mlflow.utils.async_logging.async_logging_queue").setLevel(logging.CRITICAL)
 
 
 def clean_key(key: str) -> str:
@@ -355,11 +369,14 @@ class RunContents:
     checkpoint, and a second point per step would make the history zigzag: :meth:`admit` keeps only later steps
     (the first value stays), unless ``every_step`` (a re-evaluation adds new scores at the run's last step)."""
 
-    def __init__(self, run=None, every_step: bool = False):
+    def __init__(self, client=None, run=None, every_step: bool = False):
         self.params: dict[str, str] = dict(run.data.params) if run else {}
         self.every_step = every_step
-        # _metric_objs (MLflow 3.17): each key's latest metric, the one at its last step.
-        self.last_step = {m.key: m.step for m in run.data._metric_objs} if run and not every_step else {}
+        # run.data.metrics has each key's latest value but not its step: one history request per key the run has.
+        self.last_step = {} if run is None or every_step else {
+            key: max((m.step for m in client.get_metric_history(run.info.run_id, key)), default=-1)
+            for key in run.data.metrics
+        }
 
     def admit(self, metrics: list) -> list:
         """The metrics (``mlflow.entities.Metric``, in logging order) at steps the run does not have; they count as

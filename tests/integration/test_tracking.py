@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import select
+import socket
+import threading
 import time
 
 import pytest
@@ -56,6 +59,42 @@ def _unreachable_warnings(caplog) -> int:
         for r in caplog.records
         if r.name == tracking.logger.name and r.levelno == logging.WARNING
     )
+
+
+class _HangingProxy:
+    """A TCP proxy in front of an MLflow server; while ``hang`` is set it takes requests and answers none (a hung
+    store, which only a request timeout ends, unlike a stopped one, which refuses connections at once)."""
+
+    def __init__(self, target_port: int):
+        self.target_port, self.hang = target_port, threading.Event()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def close(self) -> None:
+        self._listener.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:  # closed
+                return
+            threading.Thread(target=self._pipe, args=(conn,), daemon=True).start()
+
+    def _pipe(self, conn: socket.socket) -> None:
+        with conn, socket.create_connection(("127.0.0.1", self.target_port)) as upstream:
+            while True:
+                ready, _, _ = select.select([conn, upstream], [], [], 0.1)
+                if self.hang.is_set():  # what came in is never forwarded nor answered; closed once it ends
+                    while self.hang.is_set():
+                        time.sleep(0.05)
+                    return
+                for sock in ready:
+                    data = sock.recv(65536)
+                    if not data:
+                        return
+                    (upstream if sock is conn else conn).sendall(data)
 
 
 # ---- pure functions ----------------------------------------------------------------------------------
@@ -290,3 +329,38 @@ def test_outage_at_start_and_mid_run(tmp_path, caplog):
     lines = _jsonl(local / "metrics.jsonl")
     assert [x["step"] for x in lines if x["kind"] == "metric"] == list(range(1, 10))
     assert [(x["key"], x["value"]) for x in lines if x["kind"] == "param"] == [("lr", "0.1")]
+
+
+def test_a_hung_store_never_holds_up_logging(tmp_path, caplog, monkeypatch):
+    """Metric batches go out from the tracker's own thread: while one waits for a store that does not answer,
+    log_metrics returns at once; the batch that timed out is queued again and every step arrives once."""
+    caplog.set_level(logging.INFO, logger=tracking.logger.name)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    with run_mlflow_server(tmp_path / "server" / "mlflow.db", free_port()) as server:
+        proxy = _HangingProxy(int(server.rsplit(":", 1)[1]))
+        url = f"http://127.0.0.1:{proxy.port}"
+        try:
+            tracker = Tracker.start(
+                tracking_uri=url, experiment="hung", run_name="r", run_id=None, local_dir=tmp_path / "run",
+                retry_interval_s=1.0,
+            )
+            tracker.log_metrics({"loss": 1.0}, step=1)
+            assert not tracker.offline  # waits for the batch: it arrived
+
+            proxy.hang.set()
+            began = time.monotonic()
+            for step in range(2, 6):  # step 2's batch goes out and hangs; 3-5 wait in the queue
+                tracker.log_metrics({"loss": float(step)}, step=step)
+            assert time.monotonic() - began < 0.5
+            assert tracker.offline  # the batch in flight timed out
+            assert _unreachable_warnings(caplog) == 1
+
+            proxy.hang.clear()
+            _wait_for_retry(tracker)
+            tracker.log_metrics({"loss": 6.0}, step=6)  # sends 2-6
+            assert not tracker.offline
+            tracker.finish()
+            assert _steps(MlflowClient(url), tracker.run_id, "loss") == [1, 2, 3, 4, 5, 6]
+            assert _unreachable_warnings(caplog) == 1
+        finally:
+            proxy.close()
