@@ -78,7 +78,9 @@ def _blocks(cfg: Config, dataset, split: str) -> ObjectStoreBlocks | ParquetBloc
 
         return ParquetBlocks(*row_groups(cfg.data.prepared_path, split))
     # iter_internal_ref_bundles of a materialized dataset hands out its blocks as they are, in order
-    # (the pipeline keeps the order: preserve_order), without running anything again.
+    # (the pipeline keeps the order: preserve_order), without running anything again. A DeveloperAPI with
+    # no public equivalent in Ray 2.60.0 (checked there: bundles of whole blocks, each entry's ``ref`` and
+    # ``metadata.num_rows``); tests/integration/test_pipeline.py fails if that changes.
     import ray
 
     entries = [e for bundle in dataset.iter_internal_ref_bundles() for e in bundle.blocks]

@@ -25,19 +25,16 @@ are given).
 store, not the pipeline again). For corpora larger than the cluster's object store, ``hymt prepare`` writes the rows to
 Parquet once (:mod:`raytrain_hymt.driver.train`, :mod:`raytrain_hymt.data.prepared`) and ``data.prepared_path`` streams them from there.
 
-Ray Data actor pools (the tokenizers of the data pipeline, the translating replicas of evaluation)
-whose actors Ray never restarts.
-
-Ray Data starts every pool actor with ``max_restarts=-1`` unless told otherwise, and always hands it
-object references as constructor arguments (its DataContext and the fused map functions). Ray Core then
-prints, once per driver, an ERROR line from ``core_worker.cc``: "Actor with class name:
-'MapWorker(...)' ... has constructor arguments in the object store and max_restarts > 0"
-(ray-project/ray#53727, and #57733 for Ray Data). ``max_restarts=0`` removes that cause. It also means
-that a pool actor that dies (a crash in the tokenizer, an OOM kill) fails the execution with the error,
-where before the same batch was retried on a restarted actor without end (Ray Data also sets
-``max_task_retries=-1``), which turns a crash that repeats into a hang. An actor that dies while it is
-still starting is replaced by Ray Data either way. Ray 2.60 has no named parameter for this yet:
-``map_batches``' ``**ray_remote_args`` are deprecated for 2.64, hence the warning filter.
+Ray Data's actor pools here (the tokenizers of this pipeline, the translating replicas of evaluation)
+run on :func:`map_on_actors`, whose actors Ray never restarts. Ray Data starts every pool actor with
+``max_restarts=-1`` unless told otherwise, and always hands it object references as constructor
+arguments (its DataContext and the fused map functions); Ray Core then prints, once per driver, an
+ERROR line from ``core_worker.cc`` ("Actor with class name: 'MapWorker(...)' ... has constructor
+arguments in the object store and max_restarts > 0"). ``max_restarts=0`` removes that cause. It also
+means that a pool actor that dies (a crash in the tokenizer, an OOM kill) fails the execution with the
+error, where a restarted actor would be handed the same batch again without end (Ray Data also sets
+``max_task_retries=-1`` then), which turns a crash that repeats into a hang. An actor that dies while
+it is still starting is replaced by Ray Data either way.
 """
 
 from __future__ import annotations
@@ -45,6 +42,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import time
 import warnings
 
 import numpy as np
@@ -275,7 +273,8 @@ def tokenized_dataset(cfg: Config):
         batch_format="numpy",
     ).select_columns(list(SORTED_COLUMNS))
     partitions = sort_partitions(data, input_bytes)
-    log.debug("sorting %d bytes of corpus files into %d partitions", input_bytes, partitions)
+    log.info("data: reading %.1f MB of corpus files, tokenizing on %d actors, sorting into %d partitions",
+             input_bytes / 2**20, data.tokenize_actors, partitions)
     ds = ds.sort("group_key", boundaries=uniform_boundaries(partitions))
     weights = [s.weight for s in data.sources]
     return ds.map_batches(finish_partition, batch_size=None, batch_format="pyarrow",
@@ -386,8 +385,11 @@ def lazy_datasets(cfg: Config):
     ctx.execution_options.preserve_order = True
     ctx.raise_original_map_exception = True  # else Ray keeps only the text of our data errors
     data = cfg.data
+    started = time.monotonic()
     tokenized = _execute(tokenized_dataset(cfg))
     stats, samples = merge_stats(_all_block_stats(tokenized))
+    log.info("data: %d pairs read, %d examples kept and tokenized, in %d sort partitions (%.0f s)", stats.rows_read,
+             stats.train_examples + stats.val_examples, tokenized.num_blocks(), time.monotonic() - started)
     stats.val_examples = min(stats.val_examples, data.max_val_examples)
     if stats.rows_read == 0:
         paths = ", ".join(repr(s.path) for s in data.sources)
@@ -413,16 +415,24 @@ def build_datasets(cfg: Config):
 
         return read_prepared(cfg)
     train, val, stats = lazy_datasets(cfg)
+    started = time.monotonic()
     # Blocks of one lane each (data.blocks): a training rank fetches only the blocks of its own lanes.
     train = train.repartition(target_num_rows_per_block=block_rows(cfg, stats), strict=True).materialize()
     val = val.materialize()
-    return train, val, fill_row_stats(stats, train, val)
+    stats = fill_row_stats(stats, train, val)
+    log.info("data: %d training rows and %d validation rows packed (%.0f s)", stats.train_rows, stats.val_rows,
+             time.monotonic() - started)
+    return train, val, stats
 
 
 def map_on_actors(ds, fn, size: int, **map_args):
-    """``ds.map_batches(fn, **map_args)`` on a fixed pool of ``size`` actors that are never restarted."""
+    """``ds.map_batches(fn, **map_args)`` on a fixed pool of ``size`` actors that are never restarted
+    (the module docstring says why)."""
     from ray.data import ActorPoolStrategy
 
+    # Ray 2.60.0 takes max_restarts only through map_batches' **ray_remote_args, deprecated there (to go
+    # in 2.64) with no named replacement: neither map_batches nor ActorPoolStrategy has one, and
+    # ray_remote_args_fn is deprecated alike. tests/integration/test_pipeline.py fails once that changes.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"`ray_remote_args` is deprecated")
         return ds.map_batches(fn, compute=ActorPoolStrategy(size=size), max_restarts=0, **map_args)

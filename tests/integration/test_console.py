@@ -106,7 +106,7 @@ def _on_a_terminal(args: list[str], verbose: bool = False) -> str:
     import termios
 
     env = {k: v for k, v in os.environ.items() if k not in ("HYMT_VERBOSE", "RAY_ADDRESS")}
-    env.update({"PYTHONPATH": os.pathsep.join([str(REPO), os.environ["PYTHONPATH"]]),
+    env.update({"PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
                 **({"HYMT_VERBOSE": "1"} if verbose else {})})
     main, child = pty.openpty()
     fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
@@ -127,42 +127,59 @@ def _on_a_terminal(args: list[str], verbose: bool = False) -> str:
     return out.decode(errors="replace")
 
 
-def test_prepare_draws_one_bar_of_its_own_and_verbose_brings_ray_datas_back(tmp_path):
-    """``hymt prepare`` on the bundled sample (10390 pairs, 2 sort partitions each for training and
-    validation rows), on a terminal: the project's bar redrawn in place, none of Ray Data's bars, no
-    internal line (Ray's C++ line about the tokenizer pool's constructor arguments included)."""
+#: The lines data preparation shows, in order (the bundled sample: 10390 pairs, 2 sort partitions), as
+#: regular expressions; then the prepare's summary ("data: read ...").
+PREPARE_LINES = [
+    r"data: reading \d+\.\d MB of corpus files, tokenizing on \d+ actors, sorting into 2 partitions",
+    r"data: 10390 pairs read, (?P<examples>\d+) examples kept and tokenized, in 2 sort partitions \(\d+ s\)",
+    r"data: (?P<train_rows>\d+) training rows and (?P<val_rows>\d+) validation rows packed and written \(\d+ s\)",
+    r"prepared dataset written to .* \(manifest [0-9a-f]{32}\)",
+]
+
+
+def assert_prepare_lines(lines: list[str]) -> None:
+    """``lines`` hold the :data:`PREPARE_LINES` in order, each once, and their counts agree with the
+    summary (kept examples = training + validation examples; the training rows)."""
+    found = [[m for ln in lines if (m := re.fullmatch(rx, ln))] for rx in PREPARE_LINES]
+    assert [len(f) for f in found] == [1] * len(PREPARE_LINES), lines
+    positions = [lines.index(f[0].string) for f in found]
+    assert positions == sorted(positions), lines
+    summary = [ln for ln in lines if ln.startswith("data: read 10390 pairs; ")]
+    assert len(summary) == 1 and summary[0].startswith(
+        "data: read 10390 pairs; dropped length_ratio 15, too_many_tokens 2, unsupported_language 332; "), lines
+    m = re.search(r"train (\d+) examples in (\d+) rows .*validation (\d+) examples", summary[0])
+    assert int(found[1][0]["examples"]) == int(m[1]) + int(m[3])
+    assert found[2][0]["train_rows"] == m[2] and int(found[2][0]["val_rows"]) > 0
+
+
+def test_prepare_shows_its_stages_as_lines_and_verbose_brings_ray_datas_bars_back(tmp_path):
+    """``hymt prepare`` on the bundled sample, on a terminal: one line a stage and nothing redrawn in
+    place (no bar: neither Ray Data's nor one of the project's), no internal line (Ray's C++ line about the
+    tokenizer pool's constructor arguments included). ``HYMT_VERBOSE=1``: Ray Data's bars are back."""
     console = _on_a_terminal(["prepare", str(tmp_path / "ds")])
     assert RAY_DATA_BAR.findall(console) == []
     assert RAY_CORE_LINE.findall(console) == [] and [ln for ln in console.splitlines() if NOISE.search(ln)] == []
-    states = [s.strip() for s in re.split(r"[\r\n]+", console) if s.startswith("data: ")]
-    assert re.fullmatch(r"data: done: 10390 pairs read, 10390 tokenized, 4/4 partitions packed \[\d\d:\d\d\]",
-                        [s for s in states if s.startswith("data: done")][-1])
-    assert {"data: tokenizing", "data: packing"} <= {s.split(":")[0] + ":" + s.split(":")[1] for s in states}
-    # One bar: its many states are redrawn over each other (\r) on one line, which moves down only when a
-    # log line goes above it ("prepared dataset written to ...") and when it closes.
-    assert len(set(states)) >= 5
-    assert len([seg for seg in console.split("\n") if "data: " in seg and "[" in seg]) <= 3
-    assert "data: read 10390 pairs; dropped length_ratio 15, too_many_tokens 2, unsupported_language 332" in console
+    # The terminal ends every line with \r\n; a \r alone would be a bar redrawn over itself.
+    assert re.findall(r"\r(?!\n)", console) == []
+    assert_prepare_lines(console.splitlines())
 
     verbose = _on_a_terminal(["prepare", str(tmp_path / "ds-verbose")], verbose=True)
-    assert "Running Dataset" in verbose and "data: done" not in verbose
+    assert "Running Dataset" in verbose
+    assert_prepare_lines([ln.strip() for ln in re.split(r"[\r\n]+", verbose) if ln.strip()])
 
 
-def test_prepare_prints_concise_lines_without_a_terminal(ray_session, tmp_path, monkeypatch):
-    """Without a terminal: one line each time a stage of Ray Data executions ends, none twice."""
-    from raytrain_hymt.console import progress
+def test_prepare_logs_the_same_lines_without_a_terminal(ray_session, tmp_path, monkeypatch, caplog):
+    """Without a terminal the same lines, each once, through the project's logger (which the console
+    shows at default verbosity); the project adds no callback to Ray Data's executions."""
+    import logging
+
     from raytrain_hymt.config.schema import load_config
     from raytrain_hymt.driver.train import prepare_dataset
 
     monkeypatch.delenv("HYMT_VERBOSE", raising=False)
-    out = io.StringIO()
-    with progress.showing(stream=out):
-        prepare_dataset(load_config(None, []), str(tmp_path / "ds"))
-    lines = out.getvalue().splitlines()
-    # A stage still running after a minute also prints a line (with its name): a loaded machine may.
-    done = [re.sub(r" \(\d+ s\)$", "", ln) for ln in lines if not re.match(r"data: [a-z ]+:", ln)]
-    assert done == ["data: 10390 pairs read, 10390 tokenized",
-                    "data: 10390 pairs read, 10390 tokenized, 2/2 partitions packed",
-                    "data: 10390 pairs read, 10390 tokenized, 4/4 partitions packed"]
-    assert all(re.fullmatch(r"data[a-z :]*: \d+ pairs read.* \(\d+ s\)", ln) for ln in lines)
-    assert progress.DataProgress not in ray_session.data.DataContext.get_current().custom_execution_callback_classes
+    with caplog.at_level(logging.INFO, logger="raytrain_hymt"):
+        stats = prepare_dataset(load_config(None, []), str(tmp_path / "ds"))
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("raytrain_hymt")] + [stats.summary()]
+    assert_prepare_lines(lines)
+    callbacks = ray_session.data.DataContext.get_current().custom_execution_callback_classes
+    assert [c for c in callbacks if c.__module__.startswith("raytrain_hymt")] == []

@@ -438,3 +438,92 @@ def test_prepared_files_are_the_blocks_of_the_stream_in_order(tatoeba):
     lane = block_rows(tatoeba["cfg"], tatoeba["stats"])
     assert groups == [(n, 0) for n in range(len(files))]
     assert rows[:-1] == [lane] * (len(rows) - 1) and 0 < rows[-1] <= lane and sum(rows) == tatoeba["stats"].train_rows
+
+
+def test_pool_actors_are_never_restarted_and_ray_still_takes_max_restarts_only_as_a_deprecated_remote_arg(
+        ray_session, tmp_path):
+    """``map_on_actors`` (the tokenizer pool, evaluation's replicas): an actor that dies fails the
+    execution; Ray Data's default would restart it and hand it the batch again. Ray 2.60.0 takes
+    ``max_restarts`` only through ``map_batches``' deprecated ``**ray_remote_args``: once Ray names it
+    (or drops the remote args), this fails, and map_on_actors should pass the named option instead."""
+    import inspect
+    import warnings
+
+    from ray.data import ActorPoolStrategy, Dataset
+    from ray.util.annotations import RayDeprecationWarning
+
+    from raytrain_hymt.data.pipeline import map_on_actors
+
+    class DiesOnItsFirstBatch:
+        """A pool actor whose process dies on the first batch any actor of its pool is handed (a marker
+        file says it happened), and which passes every later batch through. (Defined here: Ray pickles
+        it by value, the workers cannot import a test module.)"""
+
+        def __init__(self, marker: str):
+            self.marker = marker
+
+        def __call__(self, batch):
+            import os
+
+            if not os.path.exists(self.marker):
+                open(self.marker, "w").close()
+                os._exit(1)
+            return batch
+
+
+    named = set(inspect.signature(Dataset.map_batches).parameters) | set(inspect.signature(ActorPoolStrategy).parameters)
+    assert not {"max_restarts", "max_actor_restarts"} & named, "Ray names max_restarts now: use it in map_on_actors"
+    assert "ray_remote_args" in inspect.signature(Dataset.map_batches).parameters
+    ds = ray_session.data.from_items([{"x": i} for i in range(8)])
+    with pytest.warns(RayDeprecationWarning, match="`ray_remote_args` is deprecated"):
+        ds.map_batches(DiesOnItsFirstBatch, compute=ActorPoolStrategy(size=1), max_restarts=0,
+                       fn_constructor_kwargs={"marker": str(tmp_path / "unused")})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # map_on_actors hides that one warning, and only that one
+        pool = map_on_actors(ds, DiesOnItsFirstBatch, 1, batch_size=4,
+                             fn_constructor_kwargs={"marker": str(tmp_path / "never-restarted")})
+    with pytest.raises(Exception) as failed:
+        pool.take_all()
+    chain, exc = [], failed.value
+    while exc is not None and len(chain) < 20:
+        chain.append(exc)
+        exc = getattr(exc, "cause", None) or exc.__cause__
+    assert any(isinstance(e, ray_session.exceptions.ActorDiedError) for e in chain) or "ActorDiedError" in str(
+        failed.value), repr(failed.value)
+    # Ray Data's own default restarts the actor, and the same rows come through.
+    restarted = ds.map_batches(DiesOnItsFirstBatch, compute=ActorPoolStrategy(size=1), batch_size=4,
+                               fn_constructor_kwargs={"marker": str(tmp_path / "restarted")})
+    assert sorted(r["x"] for r in restarted.take_all()) == list(range(8))
+
+
+def test_iter_internal_ref_bundles_hands_out_whole_blocks_in_order(ray_session):
+    """What data.blocks and data.prepared rely on in ``Dataset.iter_internal_ref_bundles``, a DeveloperAPI
+    with no public equivalent in Ray 2.60.0: no arguments; bundles whose ``blocks`` are whole blocks (no
+    slices), each with an object ``ref`` and ``metadata.num_rows`` (an int, the block's rows); in the
+    dataset's row order; for a materialized dataset and for a streamed one cut with
+    ``repartition(strict=True)`` (as write_prepared streams it)."""
+    import inspect
+
+    from ray import ObjectRef
+    from ray.data import Dataset
+    from ray.data.block import BlockAccessor, BlockMetadata
+
+    assert list(inspect.signature(Dataset.iter_internal_ref_bundles).parameters) == ["self"]
+    ctx = ray_session.data.DataContext.get_current()
+    preserve, ctx.execution_options.preserve_order = ctx.execution_options.preserve_order, True
+    try:
+        source = ray_session.data.range(100, override_num_blocks=7).map_batches(lambda b: b, batch_size=None)
+        for ds in (source.materialize(), source.repartition(target_num_rows_per_block=16, strict=True)):
+            rows, blocks = [], 0
+            for bundle in ds.iter_internal_ref_bundles():
+                assert all(s is None for s in bundle.slices), "a bundle of block slices: blocks.py counts whole blocks"
+                for entry in bundle.blocks:
+                    assert isinstance(entry.ref, ObjectRef) and isinstance(entry.metadata, BlockMetadata)
+                    assert isinstance(entry.metadata.num_rows, int)
+                    block = BlockAccessor.for_block(ray_session.get(entry.ref))
+                    assert block.num_rows() == entry.metadata.num_rows
+                    rows += block.to_arrow()["id"].to_pylist()
+                    blocks += 1
+            assert rows == list(range(100)) and blocks > 1
+    finally:
+        ctx.execution_options.preserve_order = preserve
