@@ -1,4 +1,4 @@
-"""Keep the console readable: the project's lines and one progress bar; Ray's, DeepSpeed's, MLflow's and
+"""Keep the console readable: the project's lines and training's one progress bar; Ray's, DeepSpeed's, MLflow's and
 transformers' internals off at default verbosity. ``HYMT_VERBOSE=1`` brings all of them back.
 
 What goes, and how:
@@ -6,9 +6,9 @@ What goes, and how:
 * every worker's forwarded output (``TrainingReport(...)`` per rank, DeepSpeed's op-build lines, Ray
   Train's controller chatter): ``ray.init(log_to_driver=False)`` (:func:`ray_init_kwargs`). It stays in Ray's
   log files (``/tmp/ray/session_latest/logs``); rank 0 publishes its progress and warnings to the driver
-  instead (``progress.py``);
+  instead (``console.progress``);
 * Python loggers other than the project's below WARNING, and Ray's own warnings on the driver;
-* Ray Data's bars, global and per operator (data preparation draws one bar of its own: ``console.progress``);
+* Ray Data's bars, global and per operator (data preparation logs one line per stage instead);
 * DeepSpeed's "Setting accelerator to CPU" warning on a driver without GPUs (it picks the CPU anyway);
 * transformers' shard-loading and shard-writing bars, and DeepSpeed's at export (:func:`no_bars`).
 """
@@ -69,7 +69,7 @@ def quiet_ray(driver: bool = False) -> None:
     import ray.data
 
     ctx = ray.data.DataContext.get_current()
-    # Data preparation draws one bar of its own in place of Ray Data's (raytrain_hymt.console.progress).
+    # Data preparation logs one line per stage in place of Ray Data's bars (data.pipeline, data.prepared).
     ctx.enable_progress_bars = False
     ctx.enable_operator_progress_bars = False
     ctx.print_on_execution_start = False
