@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 ARGS ?=
 PYTEST_ARGS ?= -q
 
-.PHONY: install train test test-unit clean-venv
+.PHONY: install train test test-unit test-gpu clean-venv
 
 install: $(STAMP)
 
@@ -28,6 +28,12 @@ test: install
 # The tests that start no Ray and no process (config, cleaning, prompts, packing, ...): about a minute.
 test-unit: install
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest $(PYTEST_ARGS) tests/unit
+
+# The GPU suite (tests/gpu): one CUDA GPU, under 10 minutes; without CUDA every test skips. On a GPU image
+# that already holds the project's packages: make test-gpu GPU_PY=python3 (no venv).
+GPU_PY ?=
+test-gpu: $(if $(GPU_PY),,install)
+	PATH="$(abspath $(BIN)):$$PATH" $(or $(GPU_PY),$(BIN)/python) -m pytest $(PYTEST_ARGS) tests/gpu
 
 clean-venv:
 	rm -rf $(VENV)
