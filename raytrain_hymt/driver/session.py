@@ -41,6 +41,15 @@ def init_ray(cfg: Config) -> bool:
     return True
 
 
+#: Starts of a local Ray that may each find their dashboard port taken before giving up.
+PORT_ATTEMPTS = 5
+
+#: Where a local Ray without a dashboard points its processes' State API: nothing can listen on port 0, so
+#: every question fails at once (Ray Train's cleaner then keeps waiting) instead of reaching another Ray's
+#: dashboard on this machine, whose "no such actor" would make the cleaner remove this run's workers.
+NO_API_SERVER = "http://127.0.0.1:0"
+
+
 def start_local_ray(num_cpus: int, **init_kwargs) -> None:
     """A local Ray of ``num_cpus`` logical CPUs with its dashboard, whose processes ask that dashboard.
 
@@ -51,12 +60,125 @@ def start_local_ray(num_cpus: int, **init_kwargs) -> None:
     none or another Ray's: every fit then waited 12 s at its end for the cleaner and a search leaked
     stopped trials' workers. The processes of this Ray inherit the environment its raylet starts with, so
     they are pointed at its own dashboard; this process's environment is left as it was.
+
+    Where the dashboard's packages are missing (``ray`` without ``[default]``) Ray starts without it, with
+    one warning. Ray tries other dashboard ports only when it chooses the port itself, and the address has
+    to be known before it starts, so a port another process takes between the choice and Ray's bind (two
+    ``hymt`` commands started together) starts Ray again on another port, up to ``PORT_ATTEMPTS`` times.
+    The dashboard's is the only fixed port ``ray.init`` binds on a local start that way: the GCS, raylet,
+    object manager, metrics and runtime-env agent ports are bound by their own processes on any free port,
+    Ray Client's 10001 is opened by ``ray start --head`` only, and a dashboard agent finding its HTTP port
+    (52365, which ``ray.init`` cannot set) taken runs without that service, which only job submission uses.
     """
     import ray
 
-    port = _dashboard_port()
-    with _environ(RAY_API_SERVER_ADDRESS=f"http://127.0.0.1:{port}"):
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=True, dashboard_port=port, **init_kwargs)
+    missing = dashboard_packages_missing()
+    if missing:
+        log.warning("Ray's dashboard cannot start, its packages are missing (%s; pip install 'ray[default]' "
+                    "adds them): the local Ray runs without it, so Ray Train's placement-group cleaner cannot "
+                    "free the workers of a run whose controller died, and hymt tune refuses to start", missing)
+        with _environ(RAY_API_SERVER_ADDRESS=NO_API_SERVER):
+            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **init_kwargs)
+        return
+    taken = []
+    for _ in range(PORT_ATTEMPTS):
+        port = _dashboard_port()
+        try:
+            with (_environ(RAY_API_SERVER_ADDRESS=f"http://127.0.0.1:{port}"), _ending_a_failed_start(),
+                  _unless_the_port_was_taken("ray._private.services")):
+                ray.init(address="local", num_cpus=num_cpus, include_dashboard=True, dashboard_port=port,
+                         **init_kwargs)
+            return
+        except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception when its dashboard exits
+            if not _port_was_taken(e):
+                raise
+            taken.append(port)
+            if len(taken) < PORT_ATTEMPTS:
+                log.info("Ray's dashboard port %d was taken while Ray started (another Ray starting beside this "
+                         "one); starting again on another port", port)
+    raise RuntimeError(f"a local Ray could not start: its dashboard port was taken by another process while "
+                       f"Ray started, {PORT_ATTEMPTS} times (ports {', '.join(map(str, taken))})")
+
+
+def dashboard_packages_missing() -> ImportError | None:
+    """Why Ray's dashboard cannot start in this Python (its optional packages missing), or None.
+
+    Ray 2.60 decides by importing ``ray.dashboard.optional_deps`` (``ray._private.utils.
+    get_dashboard_dependency_error``) and, asked for a dashboard it cannot start, refuses to start at all;
+    tests/integration/test_session.py fails if the two disagree.
+    """
+    try:
+        import ray.dashboard.optional_deps  # noqa: F401
+    except ImportError as e:
+        return e
+    return None
+
+
+def _port_was_taken(error: Exception) -> bool:
+    """Whether ``ray.init`` failed because another process held the dashboard port.
+
+    Ray 2.60 says so in two ways, matched by their text (tests/integration/test_session.py forces both):
+    its own check before it starts the dashboard raises ``ValueError("Failed to bind to HOST:PORT because
+    it's already occupied ...")``; a port taken after that check makes the dashboard exit, and ``ray.init``
+    raises an ``Exception`` holding the end of dashboard.log, with "Failed to find a valid port for
+    dashboard".
+    """
+    text = str(error)
+    return "because it's already occupied" in text or "Failed to find a valid port for dashboard" in text
+
+
+@contextlib.contextmanager
+def _ending_a_failed_start():
+    """Stop the processes a failed ``ray.init`` started (the GCS and the monitor stay otherwise, until this
+    process exits, since Ray has no node to shut down yet) and reset Ray's state in this process."""
+    import psutil
+    import ray
+
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    try:
+        yield
+    except BaseException:
+        started = [p for p in me.children(recursive=True) if p.pid not in before]
+        for p in started:
+            with contextlib.suppress(psutil.Error):
+                p.terminate()
+        _, alive = psutil.wait_procs(started, timeout=10)
+        for p in alive:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        ray.shutdown()
+        raise
+
+
+class _Kept(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@contextlib.contextmanager
+def _unless_the_port_was_taken(name: str):
+    """The records logger ``name`` writes inside the block, passed on after it, unless it failed on a taken
+    dashboard port: such a dashboard logs the end of its dashboard.log as errors, moot once Ray starts again."""
+    logger = logging.getLogger(name)
+    kept, propagate = _Kept(), logger.propagate
+    logger.addHandler(kept)
+    logger.propagate = False
+    try:
+        yield
+    except Exception as e:
+        if _port_was_taken(e):
+            kept.records.clear()
+        raise
+    finally:
+        logger.removeHandler(kept)
+        logger.propagate = propagate
+        for record in kept.records:
+            logger.handle(record)
 
 
 def _dashboard_port() -> int:
@@ -205,7 +327,9 @@ def check_state_api() -> None:
         nodes = list_nodes(address=ray.get_runtime_context().gcs_address, limit=10_000, timeout=10,
                            raise_on_missing_output=False)
     except RayStateApiException as e:
-        reason = type(e).__name__
+        # A local Ray started without its dashboard because this Python lacks the dashboard's packages.
+        missing = dashboard_packages_missing()
+        reason = f"its packages are missing: {missing}" if missing else type(e).__name__
     else:
         if ray.get_runtime_context().get_node_id() in {n.node_id for n in nodes}:
             return
