@@ -248,3 +248,25 @@ def parse_direction(text: str) -> tuple[str, str]:
         why = "is ambiguous" if valid else "does not name two Hunyuan-MT languages"
         raise ConfigError(f"eval.directions: {text!r} {why}; write <source>-<target>, e.g. en-zh or zh-Hant-en")
     return valid[0]
+
+
+def direction_text(src: str | None, tgt: str | None) -> str:
+    """``ja→en`` for messages; ``any`` for a side left open (``ja→any``)."""
+    return f"{src or 'any'}→{tgt or 'any'}"
+
+
+def orientation(src_label: str, tgt_label: str, want_src: str | None, want_tgt: str | None) -> str | None:
+    """How a row labelled ``src_label → tgt_label`` gives the direction ``want_src → want_tgt`` (either
+    may be None: any language on that side): ``"keep"``, ``"swap"``, or None when it cannot (other
+    languages, or a label :func:`resolve` refuses). ``want_*`` must be labels :func:`resolve` accepts."""
+    if not (is_supported(src_label) and is_supported(tgt_label)):
+        return None
+    row = (resolve(src_label).code, resolve(tgt_label).code)
+    want = (resolve(want_src).code if want_src else None, resolve(want_tgt).code if want_tgt else None)
+
+    def fits(pair: tuple[str, str]) -> bool:
+        return all(w is None or w == code for w, code in zip(want, pair))
+
+    if fits(row):
+        return "keep"
+    return "swap" if fits(row[::-1]) else None

@@ -20,6 +20,7 @@ from raytrain_hymt.languages import UnsupportedLanguageError, is_supported, reso
 DROP_REASONS = (
     "malformed",  # reader: a line that is not a pair
     "invalid_utf8",  # reader: bytes that do not decode
+    "other_languages",  # reader: a row-labelled pair outside the direction src_lang/tgt_lang select
     "unsupported_language",
     "empty",
     "too_short",

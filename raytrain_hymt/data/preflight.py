@@ -19,18 +19,20 @@ from raytrain_hymt.errors import ConfigError
 from raytrain_hymt.data.sources import moses_pairs
 from raytrain_hymt.errors import DataSourceError
 from raytrain_hymt.data.files import count_lines, expand_paths, open_binary
-from raytrain_hymt.languages import LANGUAGES, is_supported, resolve
+from raytrain_hymt.languages import LANGUAGES, direction_text, is_supported, orientation, resolve
 from raytrain_hymt.storage import is_uri
 
 #: Lines of each file peeked at to see whether the format fits.
 PEEK_LINES = 5
+#: Rows of a Tatoeba file looked at for one in the direction its source's src_lang/tgt_lang select.
+PEEK_ROWS = 500
 #: Files of a glob peeked at (a corpus of thousands of shards has one format; opening each costs a round trip).
 PEEK_FILES = 50
 
 # Labels people write for a language that are no code resolve() accepts: country codes, old or wrong
 # codes, and English names. Consulted before edit distance, which alone would turn ``cn`` into ``bn``.
 _SUGGEST: dict[str, str] = {
-    "jp": "ja", "cn": "zh", "kr": "ko", "cz": "cs", "ua": "uk", "dk": "da", "vn": "vi", "sp": "es",
+    "jp": "ja", "cn": "zh", "kr": "ko", "cz": "cs", "ua": "uk", "vn": "vi", "sp": "es",
     "esp": "es", "br": "pt", "ir": "fa", "tw": "zh-Hant", "hk": "zh-Hant", "cht": "zh-Hant", "chs": "zh",
     "zh-hans": "zh", "jap": "ja", "kor": "ko", "ch": "zh", "ph": "tl", "kz": "kk", "il": "he",
     "mandarin": "zh", "farsi": "fa", "tagalog": "tl", "simplified chinese": "zh", "chinese simplified": "zh",
@@ -38,7 +40,7 @@ _SUGGEST: dict[str, str] = {
     **{lang.chinese_name: code for code, lang in LANGUAGES.items()},
 }
 # Languages people ask for that Hunyuan-MT does not translate, so "did you mean" would mislead.
-_NOT_SUPPORTED = {"gr": "Greek", "el": "Greek", "ell": "Greek", "greek": "Greek", "da": "Danish",
+_NOT_SUPPORTED = {"gr": "Greek", "el": "Greek", "ell": "Greek", "greek": "Greek", "da": "Danish", "dk": "Danish",
                   "sv": "Swedish", "fi": "Finnish", "no": "Norwegian", "hu": "Hungarian", "ro": "Romanian"}
 
 
@@ -68,7 +70,9 @@ def nearest_language(label: str) -> str | None:
     candidates.update({name: code for name, code in _SUGGEST.items() if name not in candidates})
     limit = max(1, len(key) // 3)
     best = min(candidates, key=lambda c: (_edit_distance(key, c), len(c)))
-    return candidates[best] if _edit_distance(key, best) <= limit else None
+    near = candidates[best] if _edit_distance(key, best) <= limit else None
+    # A suggestion must be a language the model has: "did you mean" names it (LANGUAGES[near]).
+    return near if near in LANGUAGES else None
 
 
 def language_problem(field: str, label: str, where: str) -> str | None:
@@ -134,6 +138,20 @@ def _format_problem(source: SourceConfig, path: str) -> str | None:
     return f"{lines_have} {tabs[0]} tab-separated columns, format {fmt!r} needs {want}{looks}"
 
 
+def _direction_problem(source: SourceConfig, path: str) -> str | None:
+    """Why ``src_lang``/``tgt_lang`` contradict the rows of a Tatoeba file: none of its first rows is in
+    the direction they select, either way round (rows in other languages are dropped, not refused)."""
+    rows = [cols for cols in (line.split("\t") for line in _peek(path, PEEK_ROWS)) if len(cols) == 4]
+    labels = [(c[0] or source.src_lang or "", c[1] or source.tgt_lang or "") for c in rows]
+    if not labels or any(orientation(s, t, source.src_lang, source.tgt_lang) for s, t in labels):
+        return None
+    given = [f"{side} {getattr(source, side)!r}" for side in ("src_lang", "tgt_lang") if getattr(source, side)]
+    want, back = direction_text(source.src_lang, source.tgt_lang), direction_text(source.tgt_lang, source.src_lang)
+    return (f"{' and '.join(given)} {'contradict' if len(given) > 1 else 'contradicts'} the rows of {path}: its "
+            f"first row is {labels[0][0]}→{labels[0][1]} and none of its first {len(labels)} rows is {want} or "
+            f"{back} (the rows carry their languages: set src_lang/tgt_lang to the rows' own, or leave them unset)")
+
+
 def _source_problems(i: int, source: SourceConfig) -> list[str]:
     field = f"data.sources[{i}]"
     where = f"source {source.path!r}"
@@ -175,10 +193,12 @@ def _source_problems(i: int, source: SourceConfig) -> list[str]:
         files = expand_paths(source.path)
     except DataSourceError as e:
         return problems + [f"{field}.path: {e}"]
+    select = source.format == "tatoeba" and (source.src_lang or source.tgt_lang) and not problems
     for path in files[:PEEK_FILES]:
         try:
             empty = source.format != "parquet" and not _peek(path, 1)
             wrong = None if empty else _format_problem(source, path)
+            contradiction = None if empty or wrong or not select else _direction_problem(source, path)
         except OSError as e:
             problems.append(f"{field}.path: cannot read {path}: {e.strerror or e}")
             continue
@@ -186,13 +206,19 @@ def _source_problems(i: int, source: SourceConfig) -> list[str]:
             problems.append(f"{field}.path: {path} is empty (no lines with text)")
         elif wrong:
             problems.append(f"{field}.format: {path}: {wrong}")
+        elif contradiction:
+            problems.append(f"{field}: {contradiction}")
     return problems
 
 
 def source_problems(data: DataConfig) -> list[str]:
-    """One line per problem of ``data.sources`` (none when ``data.prepared_path`` replaces them)."""
+    """One line per problem of ``data.sources``; with ``data.prepared_path``, which replaces them, the one
+    problem is sources the user chose too (a preset's own default source is no choice)."""
     if data.prepared_path:
-        return []
+        chosen = "sources" in data.model_fields_set and data.sources != DataConfig().sources
+        return [f"data.prepared_path: {data.prepared_path} is set together with data.sources; a prepared dataset "
+                "trains on the sources it was prepared from (its manifest.json), so data.sources would be "
+                "ignored: unset one of them"] if chosen else []
     return [p for i, s in enumerate(data.sources) for p in _source_problems(i, s)]
 
 
@@ -254,10 +280,10 @@ def check_inputs(cfg: Config) -> None:
 
 def trained_directions(data: DataConfig) -> list[str]:
     """The ``src-tgt`` directions a run's sources train (Tatoeba rows: the languages of their first
-    lines), reversed too with ``data.both_directions``; what ``hymt evaluate --name`` scores by default."""
+    lines, turned to the direction src_lang/tgt_lang select), reversed too with ``data.both_directions``."""
     pairs: list[tuple[str, str]] = []
     for source in data.sources:
-        if source.src_lang and source.tgt_lang and source.format != "tatoeba":
+        if source.src_lang and source.tgt_lang:
             found = [(source.src_lang, source.tgt_lang)]
         else:
             try:
@@ -266,9 +292,40 @@ def trained_directions(data: DataConfig) -> list[str]:
             except (OSError, DataSourceError):
                 cols = []
             found = [(c[0] or source.src_lang, c[1] or source.tgt_lang) for c in cols if len(c) == 4]
+            if source.src_lang or source.tgt_lang:
+                turned = ((s, t, orientation(s, t, source.src_lang, source.tgt_lang)) for s, t in found)
+                found = [(s, t) if how == "keep" else (t, s) for s, t, how in turned if how]
         for s, t in found:
             if s and t and is_supported(s) and is_supported(t):
                 pairs.append((resolve(s).code, resolve(t).code))
                 if data.both_directions:
                     pairs.append((resolve(t).code, resolve(s).code))
     return [f"{s}-{t}" for s, t in dict.fromkeys(pairs) if s != t]
+
+
+def corpus_directions(cfg: Config) -> list[str]:
+    """The directions the corpus of ``cfg`` trains (:func:`trained_directions`): of ``data.sources``, or
+    of the sources a prepared dataset was prepared from (its manifest's fingerprint)."""
+    data = cfg.data
+    if data.prepared_path:
+        from raytrain_hymt.data.prepared import read_manifest
+
+        fingerprint = read_manifest(data.prepared_path)["fingerprint"]
+        fields = SourceConfig.model_fields
+        data = DataConfig(sources=[SourceConfig(**{k: v for k, v in s.items() if k in fields})
+                                   for s in fingerprint["sources"]],
+                          both_directions=fingerprint["settings"]["both_directions"])
+    return trained_directions(data)
+
+
+def default_eval_directions(cfg: Config, required: bool) -> list[str] | None:
+    """``eval.directions`` when the config leaves it unset: the directions of the run's own corpus. None
+    when they cannot be read (an object-store Tatoeba file); with ``required`` that is a ConfigError."""
+    if cfg.eval.directions is not None:
+        return cfg.eval.directions
+    found = corpus_directions(cfg)
+    if not found and required:
+        where = f"data.prepared_path {cfg.data.prepared_path}" if cfg.data.prepared_path else "data.sources"
+        raise ConfigError(f"eval.directions: not set, and the languages of {where} cannot be read to default it "
+                          "to the corpus's own directions; set it, e.g. --set 'eval.directions=[en-zh]'")
+    return found or None

@@ -7,7 +7,8 @@ relative to the source's own root and the line or row: the same corpus gives the
 lives; used for deduplication ties, ordering and exact resume), ``source`` (index of the source in
 ``data.sources``) and ``drop_reason`` (``malformed`` / ``invalid_utf8`` for rows that could not be
 parsed; counted, never silently lost; their ``src`` then says what was wrong and shows the raw text, for
-the log).
+the log; ``other_languages`` for a Tatoeba row outside the direction its source's ``src_lang``/``tgt_lang``
+select).
 
 Formats (``SourceConfig.format``): ``tatoeba`` (4-column TSV), ``tsv`` / ``csv`` (2 columns; CSV through
 the ``csv`` module, so quoted fields may hold commas, quotes and newlines), ``moses`` (``<prefix>.<src_lang>``
@@ -31,6 +32,7 @@ import pyarrow as pa
 
 from raytrain_hymt.data.files import (FileName, decoded_lines, open_random_access)
 from raytrain_hymt.errors import DataSourceError
+from raytrain_hymt.languages import orientation
 
 LINES_PER_BLOCK = 8192
 PAIR_COLUMNS = ("src", "tgt", "src_lang", "tgt_lang", "origin", "example_id", "source", "drop_reason")
@@ -47,8 +49,9 @@ def example_id(source_index: int, where: str) -> int:
     return int.from_bytes(digest, "little", signed=True)
 
 
-# A line parser: the pair's (src, tgt, src_lang, tgt_lang), or a string saying what is wrong with it.
-LineParser = Callable[[str], "tuple[str, str, str, str] | str"]
+# A line parser: the pair's (src, tgt, src_lang, tgt_lang), with a drop reason as a fifth field for a row
+# that parses but is not wanted, or a string saying what is wrong with it.
+LineParser = Callable[[str], "tuple[str, ...] | str"]
 
 
 class _Blocks:
@@ -84,14 +87,25 @@ class _Blocks:
         return table
 
 
-def tatoeba_parser(default_src: str | None, default_tgt: str | None) -> LineParser:
-    """``src_lang<TAB>tgt_lang<TAB>src<TAB>tgt`` → fields; a problem string for a malformed line."""
+def tatoeba_parser(src_lang: str | None, tgt_lang: str | None) -> LineParser:
+    """``src_lang<TAB>tgt_lang<TAB>src<TAB>tgt`` → fields; a problem string for a malformed line.
+
+    ``src_lang``/``tgt_lang`` (the source's settings; either may be None) fill an empty label column and
+    select the direction: a row labelled the other way round is swapped, one that carries neither
+    language pair gets the drop reason ``other_languages`` (a fifth field)."""
+    select = bool(src_lang or tgt_lang)
 
     def parse(line: str):
         cols = line.split("\t")
         if len(cols) != 4:
             return f"expected 4 tab-separated columns, got {len(cols)}"
-        return cols[2], cols[3], cols[0] or default_src or "", cols[1] or default_tgt or ""
+        src, tgt, sl, tl = cols[2], cols[3], cols[0] or src_lang or "", cols[1] or tgt_lang or ""
+        if not select:
+            return src, tgt, sl, tl
+        how = orientation(sl, tl, src_lang, tgt_lang)
+        if how == "swap":
+            return tgt, src, tl, sl
+        return (src, tgt, sl, tl) if how == "keep" else (src, tgt, sl, tl, "other_languages")
 
     return parse
 
@@ -119,7 +133,7 @@ def read_line_tables(path: str, source_index: int, parse: LineParser, name: File
         if isinstance(fields, str):
             out = blocks.bad(lineno, "malformed" if ok else "invalid_utf8", fields, line)
         else:
-            out = blocks.add(*fields, lineno)
+            out = blocks.add(*fields[:4], lineno, *fields[4:])
         if out is not None:
             yield out
     if (last := blocks.flush()) is not None:

@@ -4,6 +4,7 @@ that runs them, one read task per unit."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,9 @@ from raytrain_hymt.data.readers import (PAIR_SCHEMA, Columns, arrow_stream_batch
                                         read_batches, read_csv, read_jsonl, read_line_tables, read_moses,
                                         tatoeba_parser)
 from raytrain_hymt.errors import DataSourceError
+from raytrain_hymt.languages import direction_text
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -124,6 +128,10 @@ def plan_source(source: SourceConfig, source_index: int) -> list[ReadUnit]:
         files = expand_paths(source.path)
 
     if fmt == "tatoeba":
+        if source.src_lang or source.tgt_lang:
+            log.info("data.sources[%d] (%s): rows are read as %s (src_lang, tgt_lang): rows labelled %s are swapped, "
+                     "rows in other languages are dropped as other_languages", source_index, source.path,
+                     direction_text(source.src_lang, source.tgt_lang), direction_text(source.tgt_lang, source.src_lang))
         parse = tatoeba_parser(source.src_lang, source.tgt_lang)
         return [ReadUnit(lambda p=p: read_line_tables(p, source_index, parse, name(p)), (p,)) for p in files]
     src_lang, tgt_lang = _languages(source)

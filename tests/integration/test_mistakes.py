@@ -510,3 +510,188 @@ def test_ctrl_c_during_training_says_where_the_checkpoint_is_and_how_to_resume(r
     assert (tmp_path / "c" / "config.yaml").read_text() == saved
     assert sorted(p.name for p in (tmp_path / "c").glob("checkpoint_step*")) == checkpoints
     assert yaml.safe_load(saved)["optim"]["lr"] == 2e-3
+
+
+# ---- language settings, through the hymt command as a user runs it -------------------------------
+
+HYMT = Path(sys.executable).parent / "hymt"  # the console script pip installed for the package
+
+
+def hymt(tmp_path: Path, *argv: str, ray_address: str | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    """``hymt ARGV`` in its own process. With ``ray_address`` it joins that cluster (the session's, so a
+    test that gets as far as Ray starts none of its own; the user's HOME holds the cluster's token);
+    without, HOME and TMPDIR are in tmp_path, so a Ray it started would show there."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    if ray_address:
+        env["RAY_ADDRESS"] = ray_address
+    else:
+        home = tmp_path / "home"
+        home.mkdir(exist_ok=True)
+        env.update(HOME=str(home), TMPDIR=str(home), RAY_TMPDIR=str(home))
+    return subprocess.run([str(HYMT), *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def flores_pairs(first: str, second: str, n: int) -> list[tuple[str, str]]:
+    """The first ``n`` FLORES devtest sentences of two languages (file stems), side by side."""
+    from conftest import FLORES_DEVTEST
+
+    a = (FLORES_DEVTEST / f"{first}.devtest").read_text(encoding="utf-8").splitlines()
+    b = (FLORES_DEVTEST / f"{second}.devtest").read_text(encoding="utf-8").splitlines()
+    return list(zip(a[:n], b[:n]))
+
+
+def test_src_and_tgt_lang_turn_tatoeba_rows_to_the_direction_asked_for(ray_session, tmp_path):
+    """A Tatoeba file of eng→jpn rows (and one jpn→eng, one eng→deu) with src_lang ja, tgt_lang en: every
+    example prepared is Japanese → English, the eng→deu row is dropped and counted, and the console says so."""
+    from raytrain_hymt.data.prepared import read_manifest
+    from raytrain_hymt.tokenizer import load_tokenizer
+    import pyarrow.parquet as pq
+
+    pairs = flores_pairs("eng_Latn", "jpn_Jpan", 40)
+    rows = [f"eng\tjpn\t{en}\t{ja}" for en, ja in pairs[:-1]]
+    rows.append(f"jpn\teng\t{pairs[-1][1]}\t{pairs[-1][0]}")
+    rows.append("eng\tdeu\tGood morning, everybody.\tGuten Morgen zusammen.")
+    corpus = tmp_path / "eng-jpn.tsv"
+    corpus.write_text("\n".join(rows) + "\n", encoding="utf-8")
+    out = tmp_path / "prepared"
+    run = hymt(tmp_path, "prepare", str(out), "--set", sources({"path": str(corpus), "src_lang": "ja", "tgt_lang": "en"}),
+               "--set", "data.val_fraction=0", "--set", "data.max_length_ratio=100", "--set", "data.packing=false",
+               ray_address=ray_session.get_runtime_context().gcs_address)
+    assert run.returncode == 0, run.stderr[-3000:]
+    console = run.stdout + run.stderr
+    assert (f"data.sources[0] ({corpus}): rows are read as ja→en (src_lang, tgt_lang): rows labelled en→ja are "
+            "swapped, rows in other languages are dropped as other_languages") in console, console[-3000:]
+    data_line = next(line for line in run.stdout.splitlines() if line.startswith("data: read 41 pairs; dropped "))
+    assert "other_languages 1" in data_line.split("; ")[1].removeprefix("dropped ").split(", "), data_line
+    manifest = read_manifest(str(out))
+    tok = load_tokenizer("tiny")
+    texts = [tok.decode(ids) for f in manifest["files"]["train"]
+             for ids in pq.read_table(out / f, columns=["input_ids"]).column("input_ids").to_pylist()]
+    assert len(texts) == manifest["stats"]["train_examples"] > 0
+    assert all("into English" in t and "into Japanese" not in t for t in texts), texts[0]
+    # The answer is the English side: the Japanese sentence is the segment, the English one follows it.
+    first = next(t for t in texts if pairs[0][0] in t)
+    assert first.index("into English") < first.index(pairs[0][0])
+
+
+def test_src_and_tgt_lang_that_contradict_the_rows_stop_in_one_line(tmp_path):
+    corpus = tmp_path / "deu-eng.tsv"
+    corpus.write_text("deu\teng\tHallo\tHello\ndeu\teng\tDanke\tThank you\n", encoding="utf-8")
+    run = hymt(tmp_path, "prepare", str(tmp_path / "out"),
+               "--set", sources({"path": str(corpus), "src_lang": "ja", "tgt_lang": "en"}))
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert run.stderr == (f"error: data.sources[0]: src_lang 'ja' and tgt_lang 'en' contradict the rows of {corpus}: "
+                          "its first row is deu→eng and none of its first 2 rows is ja→en or en→ja (the rows carry their "
+                          "languages: set src_lang/tgt_lang to the rows' own, or leave them unset)\n")
+    assert not (tmp_path / "out").exists()
+
+
+def test_prepared_data_and_explicit_sources_are_refused_together(tmp_path, corpus):
+    prepared = tmp_path / "prepared"
+    prepared.mkdir()
+    run = hymt(tmp_path, "train", "--set", f"data.prepared_path={prepared}",
+               "--set", sources({"path": str(corpus), "format": "tsv", "src_lang": "de", "tgt_lang": "en"}),
+               "--set", f"run.storage_root={tmp_path / 'runs'}")
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert run.stderr == (f"error: data.prepared_path: {prepared} is set together with data.sources; a prepared "
+                          "dataset trains on the sources it was prepared from (its manifest.json), so data.sources "
+                          "would be ignored: unset one of them\n")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_prepared_data_with_the_presets_own_sources_is_not_a_conflict(capsys, tmp_path):
+    # The default preset writes out the default source (the bundled sample): not a choice of the user's.
+    prepared = tmp_path / "prepared"
+    prepared.mkdir()
+    code, err = run_cli(capsys, "train", "--set", f"data.prepared_path={prepared}",
+                        "--set", f"run.storage_root={tmp_path / 'runs'}")
+    assert code == 1  # the data error of an empty prepared folder, from the first step that reads it
+    assert "set together with data.sources" not in err and "no manifest.json" in err, err
+
+
+@pytest.mark.parametrize("label, hint", [
+    ("dk", "Danish is not among Hunyuan-MT's 38 languages"),
+    ("DK", "Danish is not among Hunyuan-MT's 38 languages"),
+    ("dkk", None),
+])
+def test_an_alias_of_a_language_hunyuan_does_not_know_is_one_line(tmp_path, corpus, label, hint):
+    run = hymt(tmp_path, "prepare", str(tmp_path / "out"),
+               "--set", sources({"path": str(corpus), "format": "tsv", "src_lang": label, "tgt_lang": "en"}))
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert run.stderr.count("\n") == 1 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    assert run.stderr.startswith(f"error: data.sources[0].src_lang: {label!r} is not a Hunyuan-MT language "
+                                 f"(source '{corpus}'); "), run.stderr
+    if hint:
+        assert run.stderr.endswith(f"; {hint}\n")
+
+
+def _known_labels() -> list[str]:
+    """Every label the language tables know: codes, aliases, the model card's names, the suggestions for
+    common mistakes and the languages named as unsupported, and each alias with every script subtag."""
+    from raytrain_hymt import languages
+    from raytrain_hymt.data import preflight
+
+    labels = set(languages.LANGUAGES) | set(languages._BASE_ALIASES) | set(preflight._SUGGEST) | set(preflight._NOT_SUPPORTED)
+    labels |= {name for lang in languages.LANGUAGES.values() for name in (lang.english_name, lang.chinese_name)}
+    scripts = {s for group in languages._SCRIPTS.values() for s in group} | {"hant", "hans", "bopo"}
+    labels |= {f"{alias}_{script.title()}" for alias in languages._BASE_ALIASES for script in scripts}
+    return sorted(labels)
+
+
+def test_preflight_resolves_or_refuses_every_known_alias_in_one_line(corpus):
+    """Property: over every label the tables know, on either side, preflight either accepts it (and it
+    resolves to a Hunyuan-MT language) or refuses it in one line naming the field and the source."""
+    from raytrain_hymt.languages import LANGUAGES, is_supported, resolve
+
+    for label in _known_labels():
+        for side in ("src_lang", "tgt_lang"):
+            other = "zh" if is_supported(label) and resolve(label).code != "zh" else "en"
+            langs = {"src_lang": other, "tgt_lang": other, side: label}
+            cfg = load_config(None, [sources({"path": str(corpus), "format": "tsv", **langs})])
+            try:
+                check_inputs(cfg)
+            except ConfigError as e:
+                line = str(e)
+                assert "\n" not in line, line
+                assert line.startswith(f"data.sources[0].{side}: {label!r} is not a Hunyuan-MT language "
+                                       f"(source '{corpus}'); "), line
+                assert not is_supported(label), label
+            else:
+                assert resolve(label).code in LANGUAGES, label
+
+
+def test_evaluation_directions_default_to_the_runs_own_corpus(ray_session, tmp_path):
+    """Trained on en→ja with a test set of English and Japanese only, no eval.directions: the run scores
+    en-ja; and ``hymt evaluate --model`` on the run's model, moved away from the storage root, does too."""
+    import shutil
+
+    from conftest import FLORES_DEVTEST
+
+    test_set = tmp_path / "enja"
+    test_set.mkdir()
+    for stem in ("eng_Latn", "jpn_Jpan"):
+        shutil.copy(FLORES_DEVTEST / f"{stem}.devtest", test_set)
+    corpus = tmp_path / "en-ja.tsv"
+    corpus.write_text("".join(f"{en}\t{ja}\n" for en, ja in flores_pairs("eng_Latn", "jpn_Jpan", 120)), encoding="utf-8")
+    ray_address = ray_session.get_runtime_context().gcs_address
+    overrides = tiny_overrides(tmp_path / "runs", **{"optim.max_steps": 2, "checkpoint.every_steps": 2,
+                                                     "eval.every_steps": 2, "tracking.enabled": "false",
+                                                     "data.max_length_ratio": 100, "data.max_val_examples": 4,
+                                                     "eval.test_set": test_set, "eval.max_sentences": 2,
+                                                     "eval.max_new_tokens": 4})
+    overrides.append(sources({"path": str(corpus), "format": "tsv", "src_lang": "en", "tgt_lang": "ja"}))
+    run = hymt(tmp_path, "train", "--name", "enja", *[x for o in overrides for x in ("--set", o)],
+               ray_address=ray_address)
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = json.loads((tmp_path / "runs" / "enja" / "summary.json").read_text())
+    assert list(summary["test_scores"]["scores"]) == ["en-ja"]
+    assert yaml.safe_load((tmp_path / "runs" / "enja" / "config.yaml").read_text())["eval"]["directions"] == ["en-ja"]
+
+    elsewhere = tmp_path / "moved"
+    shutil.move(tmp_path / "runs" / "enja", elsewhere)
+    run = hymt(tmp_path, "evaluate", "--model", str(elsewhere / "model"), "--test-set", str(test_set),
+               "--set", f"run.storage_root={tmp_path / 'evals'}", "--set", "tracking.enabled=false",
+               "--set", "eval.max_sentences=2", "--set", "eval.max_new_tokens=4", ray_address=ray_address)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "en-ja" in run.stdout and "en-zh" not in run.stdout, run.stdout

@@ -244,3 +244,19 @@ def test_hf_hub_name_through_a_local_cache_and_a_clear_error_offline(ray_session
     missing = SourceConfig(path="nobody-here/no-such-corpus", format="hf_hub", src_lang="en", tgt_lang="de")
     with pytest.raises(DataSourceError, match=r"'nobody-here/no-such-corpus' \(hf_hub\): load_dataset failed: .*HF_DATASETS_CACHE"):
         plan_source(missing, 0)
+
+
+def test_tatoeba_src_and_tgt_lang_select_the_direction(tmp_path):
+    """src_lang/tgt_lang on a Tatoeba file: rows the other way round are swapped, rows of other languages
+    are kept as ``other_languages`` drops (counted), an empty label column takes the setting."""
+    path = tmp_path / "mixed.tsv"
+    path.write_text("eng\tjpn\tGood morning.\tおはよう。\njpn\teng\tありがとう。\tThank you.\n"
+                    "eng\tdeu\tThanks.\tDanke.\n\teng\tさようなら。\tGoodbye.\n", encoding="utf-8")
+    rows = read_all(SourceConfig(path=str(path), src_lang="ja", tgt_lang="en"))
+    assert good(rows) == [("おはよう。", "Good morning.", "jpn", "eng"), ("ありがとう。", "Thank you.", "jpn", "eng"),
+                          ("さようなら。", "Goodbye.", "ja", "eng")]
+    assert bad(rows) == [(f"{path}:3", "other_languages", "Thanks.")]
+    only_target = read_all(SourceConfig(path=str(path), tgt_lang="jpn"))
+    assert [(r["src_lang"], r["tgt_lang"]) for r in only_target if not r["drop_reason"]] == [("eng", "jpn")] * 2
+    unset = read_all(SourceConfig(path=str(path)))  # the rows' own directions, as labelled
+    assert [(r["src_lang"], r["tgt_lang"]) for r in unset] == [("eng", "jpn"), ("jpn", "eng"), ("eng", "deu"), ("", "eng")]

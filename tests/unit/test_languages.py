@@ -8,6 +8,7 @@ from raytrain_hymt.languages import (
     Language,
     UnsupportedLanguageError,
     is_supported,
+    orientation,
     resolve,
     uses_chinese_template,
 )
@@ -151,3 +152,25 @@ def test_tatoeba_eng_zho_label_partition():
         "yue_Latn": 1,
     }  # fmt: skip
     assert sum(unsupported.values()) == 332
+
+
+@pytest.mark.parametrize("row, want, expected", [
+    (("eng", "jpn"), ("en", "ja"), "keep"),
+    (("eng", "jpn"), ("ja", "en"), "swap"),
+    (("eng", "jpn"), ("ja", None), "swap"),
+    (("eng", "jpn"), (None, "jpn"), "keep"),
+    (("eng", "deu"), ("ja", "en"), None),
+    (("wuu", "eng"), ("zh", "en"), None),  # an unsupported label never fits
+    (("cmn_Hant", "eng"), ("zh-TW", "en"), "keep"),  # compared as canonical codes
+])
+def test_orientation_of_a_labelled_row(row, want, expected):
+    assert orientation(*row, *want) == expected
+
+
+def test_every_suggestion_for_a_mistyped_label_is_a_hunyuan_language():
+    # "did you mean" names the suggestion's language: one outside the table crashed preflight (dk → da).
+    from raytrain_hymt.data.preflight import _NOT_SUPPORTED, _SUGGEST, nearest_language
+
+    assert set(_SUGGEST.values()) <= set(LANGUAGES)
+    assert not set(_NOT_SUPPORTED) & set(_SUGGEST)
+    assert nearest_language("dk") is None and nearest_language("dkk") in LANGUAGES
