@@ -397,8 +397,11 @@ class EvalConfig(_Section):
     """Folder of a multi-way test set, one line-aligned file per language named by its code (FLORES-200's
     ``devtest/``: ``eng_Latn.devtest``, ``zho_Hans.devtest``...). When set, the exported model translates
     it at the end of the run and BLEU/chrF go to MLflow (``hymt evaluate`` scores any model). None: off."""
-    directions: list[str] = Field(default_factory=lambda: ["en-zh", "zh-en"], min_length=1)
-    """Directions scored on ``test_set``, ``<source>-<target>`` with any language code (``zh-Hant-en``)."""
+    directions: list[str] | None = Field(None, min_length=1)
+    """Directions scored on ``test_set``, ``<source>-<target>`` with any language code (``zh-Hant-en``).
+    None: the directions the run's own corpus trains (the language pairs of ``data.sources``, or of the
+    sources a prepared dataset was prepared from; reversed too with ``data.both_directions``), resolved
+    when the run starts and kept in its ``config.yaml``."""
     max_sentences: int | None = Field(None, ge=1)
     """Translate only the first this many lines per direction (None: all; FLORES devtest has 1,012)."""
     max_new_tokens: int = Field(256, ge=1)
@@ -430,7 +433,7 @@ class EvalConfig(_Section):
             raise ValueError("eval.bleu_every_steps translates a sample of eval.test_set: set eval.test_set too")
 
         seen: dict[tuple[str, str], str] = {}
-        for direction in self.directions:
+        for direction in self.directions or ():
             pair = parse_direction(direction)
             if pair in seen:
                 raise ValueError(f"eval.directions: {direction!r} is {seen[pair]!r} again ({pair[0]}-{pair[1]})")

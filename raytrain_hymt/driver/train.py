@@ -272,6 +272,10 @@ def preflight(cfg: Config) -> None:
             f"run.storage_root is {cfg.run.storage_root}: the embedded sqlite MLflow store needs a local folder; "
             "set tracking.tracking_uri (or MLFLOW_TRACKING_URI) to an MLflow server, or tracking.enabled=false"
         )
+    from raytrain_hymt.data.preflight import default_eval_directions
+
+    # Resolved here, before config.yaml is written: the workers, a resume and hymt evaluate see the same list.
+    cfg.eval.directions = default_eval_directions(cfg, required=bool(cfg.eval.test_set))
     if cfg.eval.test_set:
         from raytrain_hymt.evaluation.scoring import load_test_set, plan_rows
 
