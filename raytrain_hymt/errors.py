@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+
 
 class ConfigError(ValueError):
     """A configuration problem, with the offending field in the message."""
@@ -78,3 +80,33 @@ def budget_spent(exc: BaseException, max_failures: int) -> TrainingFailed:
         f"{describe_failure(exc)}{attempts} (checkpoint.max_failures={max_failures}; the run resumes from "
         "its last good checkpoint when submitted again with the same name)"
     )
+
+
+#: How a full disk reads once it has crossed a process boundary as text (pyarrow's, sqlite's own wording).
+_NO_SPACE_TEXTS = ("No space left on device", "database or disk is full")
+
+
+def no_space(exc: BaseException) -> bool:
+    """Whether ``exc`` or what it wraps (any rank's failure, any cause or context) is a full disk."""
+    todo, seen = [exc], set()
+    while todo:
+        err = todo.pop()
+        if err is None or id(err) in seen:
+            continue
+        seen.add(id(err))
+        if (isinstance(err, OSError) and err.errno == errno.ENOSPC) or any(t in str(err) for t in _NO_SPACE_TEXTS):
+            return True
+        failures = getattr(err, "worker_failures", None)
+        todo += list(failures.values()) if isinstance(failures, dict) else []
+        todo += [getattr(err, name, None) for name in ("cause", "controller_failure", "__cause__", "__context__")]
+        todo = [e for e in todo if e is None or isinstance(e, BaseException)]
+    return False
+
+
+def disk_full(exc: BaseException, storage_root: str, checkpoint: str | None) -> str:
+    """The one line a run that ran out of disk space ends with: the failure, ``run.storage_root`` and the
+    whole ``checkpoint`` a resubmission resumes from (None: it starts over)."""
+    resumes = (f"it resumes from its last whole checkpoint, {checkpoint}" if checkpoint
+               else "it starts over (it has no whole checkpoint yet)")
+    return (f"no space left on device under run.storage_root {storage_root} ({describe_failure(exc)}); free space "
+            f"and submit the run again with the same name: {resumes}")

@@ -30,7 +30,7 @@ import yaml
 
 from raytrain_hymt.config.schema import Config, flatten, to_yaml
 from raytrain_hymt.data.fingerprint import check_same_data, data_fingerprint
-from raytrain_hymt.errors import ConfigError
+from raytrain_hymt.errors import ConfigError, TrainingFailed, disk_full, no_space
 from raytrain_hymt.storage import CHANGES_FILE, CONFIG_FILE, RunFolder
 
 log = logging.getLogger("raytrain_hymt")
@@ -172,15 +172,13 @@ def keep_first_config(folder, cfg: Config, extra: list[Difference] = ()) -> None
 
 
 def newest_checkpoint_state(folder: RunFolder) -> tuple[str, dict] | None:
-    """``(checkpoint folder name, its state.json)`` of the newest checkpoint in a run folder that has a
-    ``state.json``, or None for a run without checkpoints (a new run)."""
-    from raytrain_hymt.train.checkpoint import STATE_FILE, list_checkpoints
+    """``(checkpoint folder name, its state.json)`` of the newest whole checkpoint in a run folder, or None
+    for a run without one (a new run). A newer checkpoint that was cut off (a full disk, a killed upload)
+    is skipped with one warning naming it: the run resumes from the one before."""
+    from raytrain_hymt.train.checkpoint import newest_whole_checkpoint
 
-    for name in list_checkpoints(folder.fs, folder.path):
-        text = folder.read_text(f"{name}/{STATE_FILE}")
-        if text is not None:
-            return name, json.loads(text)
-    return None
+    newest = newest_whole_checkpoint(folder.fs, folder.path)
+    return None if newest is None else (newest[0], asdict(newest[1]))
 
 
 def check_resume_data(cfg: Config, folder: RunFolder) -> dict:
@@ -205,22 +203,25 @@ class Interrupted(KeyboardInterrupt):
 
 
 def latest_checkpoint(storage_path: str, name: str | None) -> str | None:
-    """The newest ``checkpoint_step*`` folder of run ``name``, or None (no run, no checkpoint yet)."""
+    """The newest whole ``checkpoint_step*`` folder of run ``name`` (the one a resubmission resumes from),
+    or None (no run, no whole checkpoint yet)."""
     from raytrain_hymt.storage import RunFolder
-    from raytrain_hymt.train.checkpoint import list_checkpoints
+    from raytrain_hymt.train.checkpoint import newest_whole_checkpoint
 
     if not name:
         return None
     folder = RunFolder(storage_path, name, create=False)
     try:
-        names = list_checkpoints(folder.fs, folder.path)
+        newest = newest_whole_checkpoint(folder.fs, folder.path, warn=False)
     except OSError:
         return None
-    return f"{folder.uri}/{names[0]}" if names else None
+    return f"{folder.uri}/{newest[0]}" if newest else None
 
 
 def fit(trainer, storage_path: str, name: str):
-    """``trainer.fit()``; a Ctrl-C during it aborts the run as Ray does, then raises :class:`Interrupted`."""
+    """``trainer.fit()``; a Ctrl-C during it aborts the run as Ray does, then raises :class:`Interrupted`.
+    A run that ran out of disk space ends in one :class:`TrainingFailed` line naming the storage root and
+    the newest whole checkpoint, the one a resubmission resumes from."""
     interrupts: list[int] = []
     register = getattr(trainer, "_register_sigint_handler", None)
     main_thread = threading.current_thread() is threading.main_thread()
@@ -241,9 +242,11 @@ def fit(trainer, storage_path: str, name: str):
         trainer._register_sigint_handler = register_and_wrap
     try:
         result = trainer.fit()
-    except (Exception, SystemExit):  # Ray's handler may sys.exit(0) or the aborted run end with an error
+    except (Exception, SystemExit) as e:  # Ray's handler may sys.exit(0) or the aborted run end with an error
         if interrupts:
             raise Interrupted(name, latest_checkpoint(storage_path, name)) from None
+        if isinstance(e, Exception) and no_space(e):
+            raise TrainingFailed(disk_full(e, storage_path, latest_checkpoint(storage_path, name))) from e
         raise
     finally:
         if main_thread and previous is not None:  # Ray's handler would abort a controller that is gone

@@ -163,6 +163,10 @@ def save_rank_checkpoint(engine, state: RunState, rank: int, tokenizer=None) -> 
             engine.module.peft_config["default"].save_pretrained(hf)
         if tokenizer is not None:
             tokenizer.save_pretrained(hf)
+    from raytrain_hymt.train import faults
+
+    faults.disk_full(state.step, rank, checkpoint_dir_name(state.step, state.generation),
+                     ([STATE_FILE] if rank == 0 else []) + [f"{MARKER_DIR}/rank{rank}"])
     # The folder holds only this rank's files: they are what its marker vouches for.
     manifest = _file_sizes(Path(folder))
     marker = Path(folder, MARKER_DIR)
@@ -202,14 +206,12 @@ def check_checkpoint(fs, path: str) -> RunState:
             "a run's checkpoint_step* folder, e.g. <run.storage_root>/<name>/checkpoint_step00000020)")
     if STATE_FILE not in sizes:
         raise IncompleteCheckpointError(f"{path}: no {STATE_FILE} (rank 0 did not finish writing)")
-    with fs.open_input_stream(f"{path}/{STATE_FILE}") as f:
-        state = RunState(**json.loads(f.read()))
+    state = _read_whole(fs, path, STATE_FILE, lambda d: RunState(**d))
     missing = [r for r in range(state.world_size) if f"{MARKER_DIR}/rank{r}" not in sizes]
     if missing:
         raise IncompleteCheckpointError(f"{path}: ranks {missing} did not finish writing their part (no marker)")
     for rank in range(state.world_size):
-        with fs.open_input_stream(f"{path}/{MARKER_DIR}/rank{rank}") as f:
-            listed = json.loads(f.read())["files"]
+        listed = _read_whole(fs, path, f"{MARKER_DIR}/rank{rank}", lambda d: dict(d["files"]))
         for name, size in listed.items():
             if name not in sizes:
                 raise IncompleteCheckpointError(f"{path}: {name} of rank {rank} is missing")
@@ -217,6 +219,33 @@ def check_checkpoint(fs, path: str) -> RunState:
                 raise IncompleteCheckpointError(
                     f"{path}: {name} of rank {rank} has {sizes[name]} bytes, {size} were written (cut off)")
     return state
+
+
+def _read_whole(fs, path: str, name: str, parse):
+    """``parse`` of the JSON in ``<path>/<name>``; a file that is empty, cut off or not what was written
+    (a full disk leaves such files) makes the checkpoint incomplete, never another error."""
+    with fs.open_input_stream(f"{path}/{name}") as f:
+        data = f.read()
+    if not data.strip():
+        raise IncompleteCheckpointError(f"{path}: {name} is empty (cut off while it was written)")
+    try:
+        return parse(json.loads(data))
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise IncompleteCheckpointError(
+            f"{path}: {name} is cut off or damaged ({len(data)} bytes; {type(e).__name__}: {e})") from None
+
+
+def newest_whole_checkpoint(fs, run_path: str, warn: bool = True) -> tuple[str, RunState] | None:
+    """``(name, run state)`` of the newest whole checkpoint (``check_checkpoint``) in the run folder
+    ``run_path`` of pyarrow filesystem ``fs``, or None when there is none. Each newer one that was cut off
+    is skipped with one warning naming it (``warn``)."""
+    for name in list_checkpoints(fs, run_path):
+        try:
+            return name, check_checkpoint(fs, f"{run_path.rstrip('/')}/{name}")
+        except IncompleteCheckpointError as e:
+            if warn:
+                log.warning("not resuming from %s", e)
+    return None
 
 
 def unreadable_file(fs, path: str, error: BaseException) -> str:

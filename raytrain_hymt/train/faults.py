@@ -8,8 +8,11 @@ and no code path of a normal run changes:
 train step K (the process kills itself with SIGKILL, raises ``InjectedFault``, or sleeps the fault's
 ``"seconds"``, or less if the file named by its ``"until"`` appears first: a run held there while a test
 changes the cluster or restarts a server); ``nan`` makes rank R's loss NaN in
-step K. With ``once``, a fault fires only if the marker file does not exist yet and creates it first, so
-the restarted attempt runs through.
+step K; ``enospc`` stands in for a disk that fills up while rank R's checkpoint of step K is copied into
+storage: ``checkpoint.save_rank_checkpoint`` leaves empty files where that checkpoint's ``state.json`` (rank 0)
+and the rank's marker go under the fault's ``"run_dir"`` (the run folder in storage), as a cut-off copy
+does, then raises ``OSError(ENOSPC)``. With ``once``, a fault fires only if the marker file does not exist
+yet and creates it first, so the restarted attempt runs through.
 
 ``HYMT_RECORD_DIR``: each rank appends one JSON line per step to ``<dir>/rank<R>.jsonl``: the step, the
 example ids of its rows, the loss, whether the update was skipped, the sum of the model's weights, the
@@ -24,6 +27,7 @@ Both cost nothing when their variable is unset: each function returns at its fir
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import signal
@@ -70,6 +74,21 @@ def before_step(step: int, rank: int) -> None:
         deadline, until = time.monotonic() + stall["seconds"], stall.get("until")
         while time.monotonic() < deadline and not (until and os.path.exists(until)):
             time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+
+
+def disk_full(step: int, rank: int, checkpoint_dir: str, files: list[str]) -> None:
+    """Fire the ``enospc`` fault due for ``rank`` at ``step``, if any: empty ``files`` (paths relative to
+    the checkpoint) in ``<run_dir>/<checkpoint_dir>``, then ``OSError(ENOSPC)`` naming the first."""
+    if not os.environ.get(FAULTS_ENV):
+        return
+    fault = _due("enospc", step, rank)
+    if not fault:
+        return
+    for name in files:
+        target = Path(fault["run_dir"], checkpoint_dir, name)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(b"")
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(Path(fault["run_dir"], checkpoint_dir, files[0])))
 
 
 @contextlib.contextmanager
