@@ -532,6 +532,12 @@ def hymt(tmp_path: Path, *argv: str, ray_address: str | None = None, timeout: in
     return subprocess.run([str(HYMT), *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def assert_refused(run: subprocess.CompletedProcess, line: str) -> None:
+    """The command stopped before Ray with exactly this one line (exit 2)."""
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert run.stderr == f"error: {line}\n"
+
+
 def flores_pairs(first: str, second: str, n: int) -> list[tuple[str, str]]:
     """The first ``n`` FLORES devtest sentences of two languages (file stems), side by side."""
     from conftest import FLORES_DEVTEST
@@ -580,10 +586,9 @@ def test_src_and_tgt_lang_that_contradict_the_rows_stop_in_one_line(tmp_path):
     corpus.write_text("deu\teng\tHallo\tHello\ndeu\teng\tDanke\tThank you\n", encoding="utf-8")
     run = hymt(tmp_path, "prepare", str(tmp_path / "out"),
                "--set", sources({"path": str(corpus), "src_lang": "ja", "tgt_lang": "en"}))
-    assert run.returncode == 2, run.stderr[-3000:]
-    assert run.stderr == (f"error: data.sources[0]: src_lang 'ja' and tgt_lang 'en' contradict the rows of {corpus}: "
-                          "its first row is deu→eng and none of its first 2 rows is ja→en or en→ja (the rows carry their "
-                          "languages: set src_lang/tgt_lang to the rows' own, or leave them unset)\n")
+    assert_refused(run, f"data.sources[0]: src_lang 'ja' and tgt_lang 'en' contradict the rows of {corpus}: its first "
+                        "row is deu→eng and none of its first 2 rows is ja→en or en→ja (the rows carry their languages: "
+                        "set src_lang/tgt_lang to the rows' own, or leave them unset)")
     assert not (tmp_path / "out").exists()
 
 
@@ -593,10 +598,9 @@ def test_prepared_data_and_explicit_sources_are_refused_together(tmp_path, corpu
     run = hymt(tmp_path, "train", "--set", f"data.prepared_path={prepared}",
                "--set", sources({"path": str(corpus), "format": "tsv", "src_lang": "de", "tgt_lang": "en"}),
                "--set", f"run.storage_root={tmp_path / 'runs'}")
-    assert run.returncode == 2, run.stderr[-3000:]
-    assert run.stderr == (f"error: data.prepared_path: {prepared} is set together with data.sources; a prepared "
-                          "dataset trains on the sources it was prepared from (its manifest.json), so data.sources "
-                          "would be ignored: unset one of them\n")
+    assert_refused(run, f"data.prepared_path: {prepared} is set together with data.sources; a prepared dataset "
+                        "trains on the sources it was prepared from (its manifest.json), so data.sources would be "
+                        "ignored: unset one of them")
     assert not (tmp_path / "runs").exists()
 
 
