@@ -86,7 +86,7 @@ def cmd_tune(args) -> int:
 def cmd_evaluate(args) -> int:
     """BLEU/chrF of a finished run's model (``--name``) or any model (``--model``) on a test set."""
     from raytrain_hymt.data.preflight import model_problem
-    from raytrain_hymt.driver.evaluate import evaluate_run
+    from raytrain_hymt.driver.evaluate import evaluate_run, explicit_device_settings, inference_overrides
 
     if args.model and (problem := model_problem("--model", args.model)):
         raise ConfigError(problem)
@@ -94,9 +94,12 @@ def cmd_evaluate(args) -> int:
     if args.directions:
         overrides.append(f"eval.directions=[{', '.join(args.directions)}]")
     args.overrides = list(args.overrides) + overrides  # the dedicated flags win over --set
+    explicit = explicit_device_settings(args.config, args.overrides)
+    args.overrides += inference_overrides(explicit)
     cfg = _load(args)
     if args.model is None and args.config is None and cfg.run.name:
-        # A run is scored as it was trained (GPUs, precision, its test set) unless --config says otherwise.
+        # A run is scored with its own settings (model, test set) unless --config says otherwise; the device
+        # and precision are this machine's, as chosen above, not those the run trained with.
         from raytrain_hymt.storage import CONFIG_FILE, RunFolder
 
         saved = RunFolder(cfg.run.storage_path, cfg.run.name, create=False).read_text(CONFIG_FILE)
@@ -109,18 +112,22 @@ def cmd_evaluate(args) -> int:
             cfg = _load(args)
             os.unlink(f.name)
             _default_to_trained_directions(cfg, args)
-    result = evaluate_run(cfg, model=args.model)
+    result = evaluate_run(cfg, model=args.model, explicit_device=explicit)
     print("\n".join(result.lines()))
     return 0
 
 
 def _default_to_trained_directions(cfg, args) -> None:
     """A run is scored in the directions it trained unless --directions, --set or its config chose others."""
-    from raytrain_hymt.data.preflight import default_eval_directions
+    from raytrain_hymt.config.schema import EvalConfig
+    from raytrain_hymt.data.preflight import trained_directions
 
     chosen = args.directions or any(o.split("=", 1)[0].strip() == "eval.directions" for o in args.overrides)
-    if not chosen:
-        cfg.eval.directions = default_eval_directions(cfg, required=False)
+    if chosen or cfg.eval.directions != EvalConfig().directions:
+        return
+    trained = trained_directions(cfg.data)
+    if trained:
+        cfg.eval.directions = trained
 
 
 def _rerun_command(argv: list[str], exc: KeyboardInterrupt) -> str:
@@ -136,11 +143,15 @@ def _rerun_command(argv: list[str], exc: KeyboardInterrupt) -> str:
 
 def cmd_translate(args) -> int:
     """Translate sentences (arguments, a file or stdin) and write them in the same order."""
+    from raytrain_hymt.driver.evaluate import explicit_device_settings, inference_overrides
     from raytrain_hymt.driver.translate import read_input, translate_lines
 
+    explicit = explicit_device_settings(args.config, args.overrides)
+    args.overrides = list(args.overrides) + inference_overrides(explicit)
     cfg = _load(args)
     lines = read_input(args.sentences, args.input, sys.stdin)
-    result = translate_lines(cfg, args.model, lines, args.src, args.tgt, sample=args.sample, use_ray=args.ray)
+    result = translate_lines(cfg, args.model, lines, args.src, args.tgt, sample=args.sample, use_ray=args.ray,
+                             explicit_device=explicit)
     text = "".join(t.replace("\n", " ") + "\n" for t in result.translations)
     if args.output:
         with open(args.output, "w", encoding="utf-8") as f:
@@ -165,6 +176,13 @@ def cmd_plot(args) -> int:
     return 0
 
 
+INFERENCE_DEVICE_HELP = (
+    "The model runs on the GPU when there is one (this machine's, or the Ray cluster's), in bf16 where the "
+    "GPU supports it, else fp16; on the CPU in fp32. A run's training settings (scaling.use_gpu, "
+    "deepspeed.precision) do not carry over; --set scaling.use_gpu=... or --set deepspeed.precision=... "
+    "(or a --config file or preset you name that sets them) chooses.")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``hymt`` argument parser with every subcommand."""
     parser = argparse.ArgumentParser(prog="hymt", description="Fine-tune Hunyuan-MT with Ray Train + DeepSpeed")
@@ -185,7 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--adapter", default=None, metavar="DIR",
                         help="LoRA runs: also write the adapter-only PEFT folder here (vLLM/TGI serve it on the base)")
     export.set_defaults(func=cmd_export)
-    evaluate = sub.add_parser("evaluate", help="BLEU/chrF on a test set (e.g. FLORES-200 devtest)")
+    evaluate = sub.add_parser("evaluate", help="BLEU/chrF on a test set (e.g. FLORES-200 devtest)",
+                              description=INFERENCE_DEVICE_HELP)
     _config_args(evaluate, name_help="the finished run to score (its model, config and trained directions); "
                                      "with --model, the run that keeps the scores")
     evaluate.add_argument("--model", default=None,
@@ -194,7 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--directions", nargs="+", default=None, metavar="SRC-TGT",
                           help="directions to score (sets eval.directions), e.g. en-zh zh-en")
     evaluate.set_defaults(func=cmd_evaluate)
-    tr = sub.add_parser("translate", help="translate sentences with a model, checkpoint or run")
+    tr = sub.add_parser("translate", help="translate sentences with a model, checkpoint or run",
+                        description=INFERENCE_DEVICE_HELP)
     _config_args(tr)
     tr.add_argument("sentences", nargs="*", help="sentences to translate (default: --input, else stdin)")
     tr.add_argument("--model", "-m", required=True,

@@ -18,6 +18,7 @@ import logging
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -27,6 +28,92 @@ from raytrain_hymt.evaluation.scoring import HISTORY_FILE, METRICS, new_evaluati
 from raytrain_hymt.evaluation.scoring import load_test_set, plan_rows, score_rows
 
 log = logging.getLogger("raytrain_hymt")
+
+
+DEVICE_FIELDS = ("scaling.use_gpu", "deepspeed.precision")
+
+
+def inference_device(explicit: Mapping[str, Any], cuda_available: bool, bf16_supported: bool) -> tuple[Any, Any]:
+    """``(scaling.use_gpu, deepspeed.precision)`` for ``hymt translate`` and ``hymt evaluate``.
+
+    ``explicit`` holds the values of :data:`DEVICE_FIELDS` the user chose for this command; each one it
+    lacks is automatic: the GPU when ``cuda_available``, then bf16 on a GPU where ``bf16_supported``, fp16
+    on one without, fp32 on the CPU. An explicit value is returned as given (the config validates it).
+    """
+    use_gpu = explicit.get("scaling.use_gpu", cuda_available)
+    if "deepspeed.precision" in explicit:
+        return use_gpu, explicit["deepspeed.precision"]
+    if use_gpu is not True:
+        return use_gpu, "fp32"
+    return use_gpu, "bf16" if bf16_supported else "fp16"
+
+
+def explicit_device_settings(config: str | None, overrides: list[str]) -> dict[str, Any]:
+    """The values of :data:`DEVICE_FIELDS` that ``--set`` overrides or a ``--config`` file or preset the user
+    named set (the last ``--set`` wins). The implicit default preset and a run's saved training config are
+    not a choice for inference: ``config`` is only what the user gave."""
+    import yaml
+
+    from raytrain_hymt.config.schema import flatten, parse_override, preset_path
+
+    chosen: dict[str, Any] = {}
+    if config:
+        try:
+            tree = yaml.safe_load(preset_path(config).read_text(encoding="utf-8"))
+        except yaml.YAMLError:
+            tree = None
+        if isinstance(tree, dict):  # anything else, load_config refuses with its own message
+            chosen.update({k: v for k, v in flatten(tree).items() if k in DEVICE_FIELDS})
+    for text in overrides:
+        key, value = parse_override(text)
+        if key in DEVICE_FIELDS:
+            chosen[key] = value
+    return chosen
+
+
+def local_gpu() -> tuple[bool, bool]:
+    """``(cuda_available, bf16_supported)`` in this process."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    return cuda, cuda and torch.cuda.is_bf16_supported()
+
+
+def inference_overrides(explicit: Mapping[str, Any]) -> list[str]:
+    """``--set`` overrides that put the automatic :data:`DEVICE_FIELDS` (those not in ``explicit``) where
+    :func:`inference_device` says for this machine; after the user's, over any config file's values."""
+    decided = dict(zip(DEVICE_FIELDS, inference_device(explicit, *local_gpu())))
+    return [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in decided.items() if k not in explicit]
+
+
+def settle_device_on_ray(cfg, explicit: Mapping[str, Any] | None) -> None:
+    """After Ray started, for replicas: the automatic device again where the GPUs are the cluster's.
+
+    Under ``ray job submit`` this process often runs on a head node without a GPU while the workers have
+    them: an automatic ``scaling.use_gpu`` then turns on, with the precision a GPU of the cluster supports
+    (asked once, by a one-GPU task). With the GPU chosen automatically, ``eval.workers`` unset means one
+    replica per GPU of the cluster, at most ``scaling.num_workers``. ``explicit`` None: ``cfg`` is final.
+    """
+    if explicit is None or "scaling.use_gpu" in explicit:
+        return
+    import ray
+
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    if gpus < 1:
+        return
+    if not cfg.scaling.use_gpu:
+        bf16 = ray.get(ray.remote(num_gpus=1, num_cpus=0)(_bf16_supported).remote())
+        cfg.scaling.use_gpu, cfg.deepspeed.precision = inference_device(explicit, True, bf16)
+    if cfg.eval.workers is None:
+        cfg.eval.workers = min(cfg.scaling.num_workers, gpus)
+    log.info("translating on GPU in %s (automatic: --set scaling.use_gpu=false for the CPU, "
+             "--set deepspeed.precision=... for another precision)", cfg.deepspeed.precision)
+
+
+def _bf16_supported() -> bool:
+    import torch
+
+    return torch.cuda.is_bf16_supported()
 
 
 class Translator:
@@ -163,20 +250,7 @@ def _check_replica_resources(cfg, started_locally: bool) -> None:
     check_cluster_resources(one, started_locally)
 
 
-def default_directions(cfg, model: str | None) -> list[str]:
-    """``eval.directions`` left unset: a run's own. ``model`` the exported ``model/`` folder of a run
-    anywhere (its ``config.yaml`` beside it): that run's directions; else those of ``cfg``'s corpus."""
-    from raytrain_hymt.config.schema import load_config
-    from raytrain_hymt.data.preflight import default_eval_directions
-    from raytrain_hymt.storage import CONFIG_FILE, is_uri
-
-    saved = Path(model).expanduser().parent / CONFIG_FILE if model and not is_uri(model) else None
-    if saved is not None and saved.is_file():
-        cfg = load_config(str(saved))
-    return default_eval_directions(cfg, required=True)
-
-
-def evaluate_run(cfg, model: str | None = None) -> EvalResult:
+def evaluate_run(cfg, model: str | None = None, explicit_device: Mapping[str, Any] | None = None) -> EvalResult:
     """``hymt evaluate``: score a finished run's exported model, or any ``model``, on ``cfg.eval.test_set``.
 
     Without ``model``, ``cfg.run.name`` names a run under ``run.storage_root``: its ``model/`` is
@@ -184,7 +258,9 @@ def evaluate_run(cfg, model: str | None = None) -> EvalResult:
     scoring fails), and the translations go to ``<run>/eval/<test set>/``. With ``model`` (a folder, hub id
     or URI, e.g. the base Hunyuan-MT-7B for a baseline), a run named ``cfg.run.name`` or ``eval-<model
     folder name>`` holds them, with its own MLflow run, so baseline and fine-tuned scores sit side by side.
-    Scoring again adds the new scores to the same MLflow run.
+    Scoring again adds the new scores to the same MLflow run. ``explicit_device``: the device settings the
+    user chose (:func:`explicit_device_settings`); the others may move to the cluster's GPUs
+    (:func:`settle_device_on_ray`). None: ``cfg``'s device is final.
     """
     from raytrain_hymt.storage import RunFolder
     from raytrain_hymt.tracking.tracker import make_tracker
@@ -195,8 +271,6 @@ def evaluate_run(cfg, model: str | None = None) -> EvalResult:
     if not cfg.eval.test_set:
         raise ConfigError("eval.test_set is not set: name a test-set folder (--test-set or --set eval.test_set=DIR)")
     test_set = load_test_set(cfg.eval.test_set)
-    if cfg.eval.directions is None:
-        cfg.eval.directions = default_directions(cfg, model)
     plan_rows(test_set, cfg.eval.directions, cfg.eval.max_sentences)  # every mistake before a model loads
     if model is None:
         if not cfg.run.name:
@@ -225,6 +299,7 @@ def evaluate_run(cfg, model: str | None = None) -> EvalResult:
             folder.push(RUN_FILE)
         tracker.set_tags({"evaluated_model": model})
     try:
+        settle_device_on_ray(cfg, explicit_device)
         _check_replica_resources(cfg, started_locally)
         result = evaluate_model(cfg, model, folder.local / "eval", step=step)
         folder.push("eval")

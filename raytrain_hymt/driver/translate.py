@@ -106,12 +106,13 @@ def _use_ray(force: bool) -> bool:
 
 
 def translate_lines(cfg, model: str, lines: list[str], src: str, tgt: str, sample: bool = False,
-                    use_ray: bool = False) -> TranslateResult:
+                    use_ray: bool = False, explicit_device=None) -> TranslateResult:
     """Translate ``lines`` from ``src`` to ``tgt`` (any label the language table maps) with ``model``.
 
     Blank lines stay blank (not translated, not a problem). ``cfg.eval`` sets the batch size, the longest
     translation and, on Ray, the number of replicas; ``cfg.deepspeed.precision`` and ``cfg.scaling.use_gpu``
-    how the model is loaded.
+    how the model is loaded; on Ray, those not in ``explicit_device`` (the user's choices) may move to the
+    cluster's GPUs (:func:`~raytrain_hymt.driver.evaluate.settle_device_on_ray`).
     """
     from raytrain_hymt.languages import UnsupportedLanguageError, resolve
 
@@ -124,7 +125,7 @@ def translate_lines(cfg, model: str, lines: list[str], src: str, tgt: str, sampl
     with tempfile.TemporaryDirectory(prefix="hymt-translate-") as scratch:
         path = resolve_model(model, cfg.run.storage_path, scratch)
         if _use_ray(use_ray):
-            texts, errors = _on_ray(cfg, path, [lines[i] for i in todo], src_code, tgt_code, sample)
+            texts, errors = _on_ray(cfg, path, [lines[i] for i in todo], src_code, tgt_code, sample, explicit_device)
         else:
             texts, errors = _in_process(cfg, path, [lines[i] for i in todo], src_code, tgt_code, sample)
     result = TranslateResult(translations=[""] * len(lines))
@@ -150,10 +151,11 @@ def _in_process(cfg, model: str, sources: list[str], src: str, tgt: str, sample:
     return translate_all(generator, sources, [src] * n, [tgt] * n, cfg.eval.batch_size, report_errors=True)
 
 
-def _on_ray(cfg, model: str, sources: list[str], src: str, tgt: str, sample: bool):
-    from raytrain_hymt.driver.evaluate import translate
+def _on_ray(cfg, model: str, sources: list[str], src: str, tgt: str, sample: bool, explicit_device):
+    from raytrain_hymt.driver.evaluate import settle_device_on_ray, translate
     from raytrain_hymt.driver.session import init_ray
 
     init_ray(cfg)
+    settle_device_on_ray(cfg, explicit_device)
     rows = [{"id": i, "src": s, "src_lang": src, "tgt_lang": tgt} for i, s in enumerate(sources)]
     return translate(rows, cfg, model, sample=sample)

@@ -225,3 +225,32 @@ def test_hymt_evaluate_scores_a_run_and_any_model_folder_alike(finished_run, cap
     assert main(["evaluate", "--name", "e2e", *common, "--directions", "en-fr"]) == 2
     err = capsys.readouterr().err
     assert "error: eval.directions: en-fr needs fr, but" in err and "has only de, en, ja, zh" in err
+
+
+def test_hymt_evaluate_ignores_the_device_a_run_trained_on_unless_chosen(tmp_path, monkeypatch):
+    from raytrain_hymt.config.schema import to_yaml
+
+    # A run trained on GPUs in bf16 (its saved config.yaml is all hymt evaluate reads before scoring).
+    trained = load_config(None, ["scaling.use_gpu=true", "deepspeed.precision=bf16", "optim.lr=1e-4"])
+    (tmp_path / "gpu-run").mkdir()
+    (tmp_path / "gpu-run" / "config.yaml").write_text(to_yaml(trained))
+    seen = []
+
+    # Stands in for the scoring itself (Ray Data replicas): records the config and device choices it is given.
+    def recording(cfg, model=None, explicit_device=None):
+        seen.append((cfg.scaling.use_gpu, cfg.deepspeed.precision, cfg.optim.lr, explicit_device))
+        raise ConfigError("recorded")
+
+    monkeypatch.setattr("raytrain_hymt.driver.evaluate.evaluate_run", recording)
+    args = ["evaluate", "--name", "gpu-run", "--test-set", str(FLORES_DEVTEST), "--set", f"run.storage_root={tmp_path}"]
+    assert main(args) == 2  # this CPU machine
+    assert main([*args, "--set", "deepspeed.precision=bf16"]) == 2
+    monkeypatch.setattr("raytrain_hymt.driver.evaluate.local_gpu", lambda: (True, False))  # stands in for a V100
+    assert main(args) == 2
+    assert main([*args, "--set", "scaling.use_gpu=false"]) == 2
+    monkeypatch.setattr("raytrain_hymt.driver.evaluate.local_gpu", lambda: (True, True))  # for an H100
+    assert main(args) == 2
+    assert main([*args, "--config", "tiny-cpu"]) == 2  # a named preset's precision is a choice; its lr too
+    assert seen == [(False, "fp32", 1e-4, {}), (False, "bf16", 1e-4, {"deepspeed.precision": "bf16"}),
+                    (True, "fp16", 1e-4, {}), (False, "fp32", 1e-4, {"scaling.use_gpu": False}),
+                    (True, "bf16", 1e-4, {}), (True, "fp32", 2e-3, {"deepspeed.precision": "fp32"})]

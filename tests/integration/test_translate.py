@@ -95,3 +95,38 @@ def test_run_name_checkpoint_export_and_ray_pool_translate_alike(finished_run, c
     assert _translate(capsys, "-m", summary.checkpoint, *common) == by_export
     # The cluster path: evaluation's Ray Data actor pool (the session's Ray is running), same translations.
     assert _translate(capsys, "-m", "e2e", "--ray", *common)[:2] == by_export[:2]
+
+
+def test_the_device_is_this_machines_unless_chosen_and_a_choice_is_honoured(capsys, monkeypatch):
+    import torch
+
+    import raytrain_hymt.train.model as model_module
+
+    real, asked = model_module.load_generator, []
+
+    # Records what translate asks for and what it got (the real loader, real model).
+    def recording(model, precision, max_new_tokens, use_gpu, *args, **kwargs):
+        asked.append((precision, use_gpu))
+        g = real(model, precision, max_new_tokens, use_gpu, *args, **kwargs)
+        asked[-1] += (next(g.model.parameters()).dtype, g.device.type)
+        return g
+
+    monkeypatch.setattr(model_module, "load_generator", recording)
+    args = ["-m", "tiny", "--from", "en", "--to", "zh", "Hello."]
+    # This CPU machine, no flags: fp32 on the CPU, as before.
+    assert _translate(capsys, *args)[0] == 0
+    # Forced: bf16 on the CPU.
+    assert _translate(capsys, "--set", "deepspeed.precision=bf16", *args)[0] == 0
+    # A GPU machine stands in (this process's torch.cuda answers yes, with bf16) for the choices that
+    # keep the model on the CPU: the device chosen, or a named --config that sets it.
+    monkeypatch.setattr("raytrain_hymt.driver.evaluate.local_gpu", lambda: (True, True))
+    assert _translate(capsys, "--set", "scaling.use_gpu=false", *args)[0] == 0
+    assert _translate(capsys, "--set", "scaling.use_gpu=false", "--set", "deepspeed.precision=bf16", *args)[0] == 0
+    # No flags there: the GPU in bf16 is asked for (this CPU build of torch then cannot load it).
+    assert _translate(capsys, *args)[0] == 1
+    assert asked == [("fp32", False, torch.float32, "cpu"), ("bf16", False, torch.bfloat16, "cpu"),
+                     ("fp32", False, torch.float32, "cpu"), ("bf16", False, torch.bfloat16, "cpu"), ("bf16", True)]
+    # fp16 is a GPU precision: chosen on a CPU machine, one line saying so.
+    monkeypatch.setattr("raytrain_hymt.driver.evaluate.local_gpu", lambda: (False, False))
+    rc, _, err = _translate(capsys, "--set", "deepspeed.precision=fp16", *args)
+    assert rc == 2 and "deepspeed.precision fp16 needs GPUs (scaling.use_gpu: true)" in err
