@@ -119,15 +119,11 @@ def cmd_evaluate(args) -> int:
 
 def _default_to_trained_directions(cfg, args) -> None:
     """A run is scored in the directions it trained unless --directions, --set or its config chose others."""
-    from raytrain_hymt.config.schema import EvalConfig
-    from raytrain_hymt.data.preflight import trained_directions
+    from raytrain_hymt.data.preflight import default_eval_directions
 
     chosen = args.directions or any(o.split("=", 1)[0].strip() == "eval.directions" for o in args.overrides)
-    if chosen or cfg.eval.directions != EvalConfig().directions:
-        return
-    trained = trained_directions(cfg.data)
-    if trained:
-        cfg.eval.directions = trained
+    if not chosen:
+        cfg.eval.directions = default_eval_directions(cfg, required=False)
 
 
 def _rerun_command(argv: list[str], exc: KeyboardInterrupt) -> str:

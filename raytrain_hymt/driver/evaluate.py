@@ -250,6 +250,19 @@ def _check_replica_resources(cfg, started_locally: bool) -> None:
     check_cluster_resources(one, started_locally)
 
 
+def default_directions(cfg, model: str | None) -> list[str]:
+    """``eval.directions`` left unset: a run's own. ``model`` the exported ``model/`` folder of a run
+    anywhere (its ``config.yaml`` beside it): that run's directions; else those of ``cfg``'s corpus."""
+    from raytrain_hymt.config.schema import load_config
+    from raytrain_hymt.data.preflight import default_eval_directions
+    from raytrain_hymt.storage import CONFIG_FILE, is_uri
+
+    saved = Path(model).expanduser().parent / CONFIG_FILE if model and not is_uri(model) else None
+    if saved is not None and saved.is_file():
+        cfg = load_config(str(saved))
+    return default_eval_directions(cfg, required=True)
+
+
 def evaluate_run(cfg, model: str | None = None, explicit_device: Mapping[str, Any] | None = None) -> EvalResult:
     """``hymt evaluate``: score a finished run's exported model, or any ``model``, on ``cfg.eval.test_set``.
 
@@ -271,6 +284,8 @@ def evaluate_run(cfg, model: str | None = None, explicit_device: Mapping[str, An
     if not cfg.eval.test_set:
         raise ConfigError("eval.test_set is not set: name a test-set folder (--test-set or --set eval.test_set=DIR)")
     test_set = load_test_set(cfg.eval.test_set)
+    if cfg.eval.directions is None:
+        cfg.eval.directions = default_directions(cfg, model)
     plan_rows(test_set, cfg.eval.directions, cfg.eval.max_sentences)  # every mistake before a model loads
     if model is None:
         if not cfg.run.name:
