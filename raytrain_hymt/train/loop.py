@@ -12,6 +12,7 @@ BLEU, logging, progress and checkpoints around it.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 from raytrain_hymt.data.epochs import rank_example_ids
@@ -19,6 +20,9 @@ from raytrain_hymt.train.distributed import all_reduce_sum
 from raytrain_hymt.train.worker import LoopInputs, Worker
 
 log = logging.getLogger("raytrain_hymt")
+
+#: Rank 0's metric of how long the workers took to export the model (seconds), logged at the last step.
+EXPORT_SECONDS = "export/seconds"
 
 
 @dataclass
@@ -75,7 +79,10 @@ def train_loop(loop_config: dict) -> None:
             if at.step >= w.total_steps:
                 break
         if cfg.run.export:
+            started = time.perf_counter()
             w.export()
+            # A metric, not only the console line: the benchmarks read it from metrics.jsonl.
+            tracker.log_metrics({EXPORT_SECONDS: time.perf_counter() - started}, step=at.step)
     finally:
         # Flush rank 0's queued metrics and close its files on every path, failures included.
         tracker.close()
