@@ -33,6 +33,10 @@ TORCHRUN_SUFFIX = "@torchrun"
 PRESET_CASE = "preset"
 #: NVLink multicast stays off on shared GPU hosts (a program that uses it can take the host's GPUs down).
 SAFE_GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+#: What a preset changes to run on CPU workers (gloo; smoke runs): no GPU, fp32, sdpa, the GPU-only levers
+#: off, one logical CPU per worker.
+CPU_PRESET_OVERRIDES = ["scaling.use_gpu=false", "deepspeed.precision=fp32", "model.attn_implementation=sdpa",
+                        "model.fused_loss=false", "model.compile=false", "scaling.cpus_per_worker=1"]
 
 _FLEX_PACKED = ["data.packing=true", "model.attn_implementation=flex_attention"]
 #: Named cases: the naive recipe first (the baseline; named tutorial-zero3), then one lever at a time.
@@ -142,8 +146,9 @@ def summarize(steps: list[dict], warmup: int, world: int, peak_flops: float | No
         "wall_per_step_s": wall / len(measured),
         "tokens_per_step": tokens / len(measured),
         "padding_fraction": 1.0 - tokens / max(1.0, sum(s["padded_tokens"] for s in measured)),
-        "tflops_per_gpu": flops / wall / world / 1e12,
     }
+    # The FLOPs come back from the workers' MFU metric, which needs the device's peak (unknown on a CPU).
+    out["tflops_per_gpu"] = flops / wall / world / 1e12 if peak_flops else None
     out["mfu"] = flops / (wall * world * peak_flops) if peak_flops else None
     return out
 
@@ -209,7 +214,8 @@ def bench_loop(loop_config: dict, context=None, shard=None) -> None:
         context = ray.train.get_context()
     w = Worker(LoopInputs(**loop_config), context.get_world_rank(), context.get_world_size())
     t_build = time.perf_counter()
-    w.build()
+    # Nothing to resume: a torchrun rank has no Ray Train checkpoint to ask about.
+    w.build(load_universal=False)
     build_s = time.perf_counter() - t_build
     if shard is None:
         import ray.train
@@ -255,7 +261,8 @@ def bench_loop(loop_config: dict, context=None, shard=None) -> None:
             "layout": (f"packed {cfg.data.pack_tokens}" if cfg.data.packing else "padded") + f" {cfg.model.attn_implementation}",
             "fused_loss": cfg.model.fused_loss, "compile": cfg.model.compile,
             "activation_checkpointing": cfg.deepspeed.activation_checkpointing,
-            "params": w.shape[0], "layers": w.shape[1], "peak_memory_gib": float(peak[0]), "peak_reserved_gib": float(peak[1]),
+            "params": w.shape[0], "layers": w.shape[1], "peak_memory_gib": float(peak[0]),
+            "peak_reserved_gib": float(peak[1]) if "train/memory_reserved_gib" in m else None,
             "lora": cfg.lora.enabled, "preset": cfg.preset,
             "build_s": build_s, "device": torch.cuda.get_device_name(w.device) if w.device.type == "cuda" else "cpu",
             "losses": [s["loss"] for s in steps], "step_times_s": [s["step_s"] for s in steps],
@@ -410,8 +417,7 @@ def run_benchmark(case_specs: list[str], *, shape: str = "7b", layers: int = 32,
         if case.preset:  # the preset as users run it: only the bookkeeping (and --set) changes
             overrides = bookkeeping_overrides(model, warmup + steps, workers, str(out / "runs"))
             if not use_gpu:
-                overrides += ["scaling.use_gpu=false", "deepspeed.precision=fp32", "model.attn_implementation=sdpa",
-                              "model.fused_loss=false", "model.compile=false"]
+                overrides += CPU_PRESET_OVERRIDES
         else:
             overrides = base_overrides(model, warmup + steps, workers, use_gpu, str(out / "runs"))
         cfg = load_config(case.preset, [*overrides, *case.overrides, *extra])

@@ -8,6 +8,10 @@ Random-init Hunyuan-7B shape (tied 7.50 B; --untied: 8.03 B) saved as a model fo
 preset's own settings. Pairs from the bundled Tatoeba sample through the Ray Data pipeline, TorchTrainer +
 DeepSpeed. Prints one JSON line per case and a Markdown table; both are
 also written under --out. Also runs under ``ray job submit`` (it joins the cluster in RAY_ADDRESS).
+Every figure comes from the metrics the workers' ``Worker.train_step`` returns (tokens/s, MFU, peak memory;
+``benchmarks.throughput.bench_loop``), none from console text. A CPU smoke run:
+
+    python jobs/benchmark.py --cpu --shape tiny --workers 2 --steps 2 --warmup 1 --case cpu-packed
 """
 
 import argparse

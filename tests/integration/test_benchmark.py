@@ -20,7 +20,6 @@ from benchmarks.throughput import (
     markdown_table,
     parse_case,
     repeat_sources,
-    run_benchmark,
     summarize,
 )
 from raytrain_hymt.config.schema import load_config
@@ -76,7 +75,9 @@ def test_summarize_counts_only_steps_after_warmup():
     assert s["step_time_s_median"] == pytest.approx(2.0)
     assert s["padding_fraction"] == pytest.approx(0.2)
     assert s["mfu"] == pytest.approx(8e12 / (4 * 2 * 1e12))
-    assert summarize(steps, 1, 2, None)["mfu"] is None
+    assert s["tflops_per_gpu"] == pytest.approx(8e12 / 4 / 2 / 1e12)
+    unknown_peak = summarize(steps, 1, 2, None)
+    assert unknown_peak["mfu"] is None and unknown_peak["tflops_per_gpu"] is None
     with pytest.raises(ValueError, match="no steps measured: 3 steps run, 3 of them warm-up"):
         summarize(steps, warmup=3, world=2, peak_flops=None)
 
@@ -118,34 +119,146 @@ def test_document_mask_on_gpu():
     assert document_mask_check("cuda", "flex_attention") < 1e-4
 
 
-def test_benchmark_smoke_ray_train_and_torchrun_agree(ray_session, tmp_path):
-    """One short case under TorchTrainer and the same case under torchrun: same batches, same losses."""
+def _positive(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+
+
+def _floats(n: int):
+    return lambda v: isinstance(v, list) and len(v) == n and all(isinstance(x, float) for x in v)
+
+
+def _is(*types):
+    return lambda v: isinstance(v, types) and not (bool not in types and isinstance(v, bool))
+
+
+def _none(v) -> bool:
+    return v is None
+
+
+def check_fields(result: dict, schema: dict) -> None:
+    """Every field of ``schema`` present with a value its check accepts, and no field besides."""
+    assert sorted(result) == sorted(schema), (sorted(set(result) ^ set(schema)), result)
+    def accepted(key: str) -> bool:
+        try:
+            return bool(schema[key](result[key]))
+        except TypeError:  # None, or a list where a number belongs
+            return False
+
+    wrong = {k: result[k] for k in schema if not accepted(k)}
+    assert not wrong, wrong
+
+
+def _benchmark_fields(launcher: str, preset: str | None, micro: int, accum: int, steps: int, warmup: int) -> dict:
+    """jobs/benchmark.py's line of one CPU case. CPU: no peak FLOP/s, so MFU and TFLOP/s are None; the
+    memory is the worker's resident size, and there is no reserved figure."""
+    return {
+        "steps_measured": lambda v: v == steps, "tokens_per_s_per_gpu": _positive, "step_time_s_median": _positive,
+        "wall_per_step_s": _positive, "tokens_per_step": _positive, "padding_fraction": lambda v: 0 <= v < 0.5,
+        "tflops_per_gpu": _none, "mfu": _none, "case": _is(str), "launcher": lambda v: v == launcher,
+        "world": lambda v: v == 2, "zero_stage": lambda v: v == 2, "micro_batch": lambda v: v == micro,
+        "grad_accum": lambda v: v == accum, "layout": _is(str), "fused_loss": lambda v: v is False,
+        "compile": lambda v: v is False, "activation_checkpointing": _is(bool), "params": lambda v: v == 1_303_936,  # what MFU counts
+        "layers": lambda v: v == 4, "peak_memory_gib": lambda v: 0.1 < v < 16, "peak_reserved_gib": _none,
+        "lora": lambda v: v is False, "preset": lambda v: v == preset, "build_s": _positive,
+        "device": lambda v: v == "cpu", "losses": _floats(steps + warmup), "step_times_s": _floats(steps + warmup),
+        "wall_times_s": _floats(steps + warmup), "overrides": _is(list), "case_wall_s": _positive,
+        "data": lambda v: sorted(v) == ["mean_example_tokens", "train_examples", "train_rows"]
+        and all(_positive(x) for x in v.values()),
+    }
+
+
+def _user_run(args: list[str], ray_session, timeout: int = 600) -> subprocess.CompletedProcess:
+    """``python jobs/...`` as a user runs it, joined to the test session's Ray (RAY_ADDRESS), with the quiet
+    console (no worker line reaches it, so no figure can come from one)."""
+    env = dict(os.environ, RAY_ADDRESS=ray_session.get_runtime_context().gcs_address, HYMT_VERBOSE="",
+               PYTHONUNBUFFERED="1")
+    done = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, (done.stdout[-4000:], done.stderr[-4000:])
+    return done
+
+
+def _json_lines(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def test_benchmark_job_reports_every_field_and_ray_train_and_torchrun_agree(ray_session, tmp_path):
+    """jobs/benchmark.py on CPU at the tiny shape: one case under TorchTrainer, the same under torchrun (same
+    batches, same losses), and a preset case; every field of each JSON line checked."""
     out = tmp_path / "bench"
-    results = run_benchmark(
-        ["cpu-packed", "cpu-packed@torchrun", "preset:tiny-cpu"], shape="tiny", steps=2, warmup=1, workers=2,
-        use_gpu=False, out_dir=out, extra=["data.pack_tokens=512"],
-    )
-    assert [r.get("error") for r in results] == [None, None, None]
+    done = _user_run(["jobs/benchmark.py", "--cpu", "--shape", "tiny", "--steps", "2", "--warmup", "1",
+                      "--workers", "2", "--out", str(out), "--set", "data.pack_tokens=512", "--case", "cpu-packed",
+                      "--case", "cpu-packed@torchrun", "--case", "preset:tiny-cpu"], ray_session)
+    results = _json_lines(done.stdout)
+    assert [r["case"] for r in results] == ["cpu-packed", "cpu-packed@torchrun", "preset:tiny-cpu"]
     ray_r, torchrun_r, preset_r = results
+    # The named cases build on the default preset (tiny-cpu) too.
+    check_fields(ray_r, _benchmark_fields("ray-train", "tiny-cpu", 1, 2, 2, 1))
+    check_fields(torchrun_r, _benchmark_fields("torchrun", "tiny-cpu", 1, 2, 2, 1))
     # The model is a folder loaded through from_pretrained, as `hymt train` loads one; a preset case keeps
     # the preset's own settings (tiny-cpu: micro-batch 2, its warmup and cosine schedule).
+    check_fields(preset_r, _benchmark_fields("ray-train", "tiny-cpu", 2, 1, 2, 1))
     assert (out / "tiny" / "config.json").exists() and (out / "tiny" / "tokenizer.json").exists()
-    assert (preset_r["preset"], preset_r["micro_batch"], preset_r["grad_accum"]) == ("tiny-cpu", 2, 1)
-    results = results[:2]
-    assert (ray_r["launcher"], torchrun_r["launcher"]) == ("ray-train", "torchrun")
-    for r in results:
-        assert r["steps_measured"] == 2 and r["world"] == 2 and r["zero_stage"] == 2
-        assert r["layout"] == "packed 512 sdpa" and r["mfu"] is None and r["device"] == "cpu"
-        assert len(r["losses"]) == 3 and r["tokens_per_s_per_gpu"] > 0
-        assert 0 <= r["padding_fraction"] < 0.2
+    for r in (ray_r, torchrun_r):
+        assert r["layout"] == "packed 512 sdpa" and 0 <= r["padding_fraction"] < 0.2
     # The torchrun ranks replay exactly the global batches Ray Data produced: identical work and losses.
     assert torchrun_r["tokens_per_step"] == ray_r["tokens_per_step"]
     assert torchrun_r["losses"] == pytest.approx(ray_r["losses"], rel=1e-5)
-    lines = (out / "results.jsonl").read_text().splitlines()
-    assert [json.loads(x)["case"] for x in lines] == ["cpu-packed", "cpu-packed@torchrun", "preset:tiny-cpu"]
+    assert [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()] == results
     table = (out / "table.md").read_text()
     assert "| cpu-packed | ray-train | 2 | packed 512 sdpa | 1 × 2 |" in table
     assert "| cpu-packed@torchrun | torchrun |" in table
+
+
+def test_real_model_job_reports_every_field_from_what_the_workers_wrote(ray_session, tmp_path):
+    """jobs/bench_real_model.py runs ``hymt train`` of the LoRA preset the README measures, on CPU at the
+    tiny shape. CPU: memory is the worker's resident size and there is no reserved figure; MFU is None
+    (no peak FLOP/s); the GPU fields' parsing is checked by ``test_run_figures_of_a_gpu_run``."""
+    out = tmp_path / "real"
+    done = _user_run(["jobs/bench_real_model.py", "--preset", "hy-mt-7b-lora-fast", "--shape", "tiny", "--cpu",
+                      "--steps", "2", "--model-dir", str(tmp_path / "model"), "--out", str(out)], ray_session)
+    (result,) = _json_lines(done.stdout.splitlines()[-1])
+    check_fields(result, {
+        "preset": lambda v: v == "hy-mt-7b-lora-fast", "shape": lambda v: v == "tiny", "layers": _is(int),
+        "untied": lambda v: v is False, "steps": lambda v: v == 2, "workers": lambda v: v == 1,
+        "device": lambda v: v == "cpu", "exit_code": lambda v: v == 0, "wall_s": _positive,
+        "model_write_s": _positive, "driver_peak_rss_gib": lambda v: 0.1 < v < 4,
+        "base_safetensors_bytes": _positive, "steps_logged": lambda v: v == 2, "steps_done": lambda v: v == 2,
+        "train_loss": _positive, "max_memory_allocated_gib": lambda v: 0.1 < v < 16,
+        "max_memory_reserved_gib": _none, "tokens_per_s_per_gpu_last": _positive,
+        "tokens_per_s_per_gpu_median": _positive, "mfu_last": _none, "mfu_median": _none,
+        "export_s": lambda v: 0 < v < result["wall_s"], "checkpoint_bytes": _positive,
+        # LoRA: the checkpoint holds the adapters and their optimizer state, not the frozen base.
+        "checkpoint_fraction_of_base": lambda v: 0 < v < 1,
+        # The merged export is a whole model in fp32, as large as the base folder.
+        "export_bytes": lambda v: v > 0.9 * result["base_safetensors_bytes"],
+    })
+    assert json.loads((out / "real_model.jsonl").read_text()) == result
+
+
+def test_run_figures_of_a_gpu_run(tmp_path):
+    """What ``benchmarks.run_figures`` reads from a GPU run's metrics.jsonl (written here as rank 0's tracker
+    writes it, a resumed step logged twice): peaks, the last and the steady (after step 1) rates, MFU, export."""
+    from benchmarks.run_figures import run_figures
+    from raytrain_hymt.tracking.metrics_log import MetricsLog
+
+    run = tmp_path / "r"
+    log = MetricsLog(run)
+    for step, (mem, reserved, rate, mfu) in enumerate([(20.0, 21.0, 100.0, 0.1), (21.5, 22.2, 900.0, 0.4),
+                                                       (21.0, 22.0, 1000.0, 0.5), (21.0, 22.1, 800.0, 0.3)], 1):
+        log.write("metric", [("train/loss", 2.0, step), ("train/memory_gib", mem, step),
+                             ("train/memory_reserved_gib", reserved, step),
+                             ("train/tokens_per_s_per_worker", rate, step), ("train/mfu", mfu, step)], 0.0)
+    log.write("metric", [("train/tokens_per_s_per_worker", 700.0, 4), ("export/seconds", 19.0, 4)], 0.0)
+    log.close()
+    (run / "checkpoint_step00000002").mkdir()
+    (run / "checkpoint_step00000004").mkdir()
+    (run / "checkpoint_step00000004" / "shard").write_bytes(b"x" * 300)
+    figures = run_figures(tmp_path, "r")
+    assert figures == {
+        "steps_logged": 4, "steps_done": None, "train_loss": None, "max_memory_allocated_gib": 21.5,
+        "max_memory_reserved_gib": 22.2, "tokens_per_s_per_gpu_last": 700.0, "tokens_per_s_per_gpu_median": 900.0,
+        "mfu_last": 0.3, "mfu_median": 0.4, "export_s": 19.0, "checkpoint_bytes": 300, "export_bytes": None,
+    }
 
 
 def test_benchmark_cli_rejects_unknown_case(capsys):
