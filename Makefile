@@ -33,7 +33,8 @@ test-unit: install
 # that already holds the project's packages: make test-gpu GPU_PY=python3 (no venv).
 GPU_PY ?=
 test-gpu: $(if $(GPU_PY),,install)
-	PATH="$(abspath $(BIN)):$$PATH" $(or $(GPU_PY),$(BIN)/python) -m pytest $(PYTEST_ARGS) tests/gpu
+	PYTORCH_CUDA_ALLOC_CONF=$${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} \
+	    PATH="$(abspath $(BIN)):$$PATH" $(or $(GPU_PY),$(BIN)/python) -m pytest $(PYTEST_ARGS) tests/gpu
 
 clean-venv:
 	rm -rf $(VENV)

@@ -106,8 +106,14 @@ def settle_device_on_ray(cfg, explicit: Mapping[str, Any] | None) -> None:
         cfg.scaling.use_gpu, cfg.deepspeed.precision = inference_device(explicit, True, bf16)
     if cfg.eval.workers is None:
         cfg.eval.workers = min(cfg.scaling.num_workers, gpus)
-    log.info("translating on GPU in %s (automatic: --set scaling.use_gpu=false for the CPU, "
-             "--set deepspeed.precision=... for another precision)", cfg.deepspeed.precision)
+    say_automatic_device(cfg, explicit)
+
+
+def say_automatic_device(cfg, explicit: Mapping[str, Any] | None) -> None:
+    """One line when the GPU was chosen for the user (not on their command line), saying how to choose."""
+    if cfg.scaling.use_gpu and explicit is not None and "scaling.use_gpu" not in explicit:
+        log.info("translating on GPU in %s (automatic: --set scaling.use_gpu=false for the CPU, "
+                 "--set deepspeed.precision=... for another precision)", cfg.deepspeed.precision)
 
 
 def _bf16_supported() -> bool:

@@ -74,11 +74,8 @@ def start_local_ray(num_cpus: int, **init_kwargs) -> None:
 
     missing = dashboard_packages_missing()
     if missing:
-        log.warning("Ray's dashboard cannot start, its packages are missing (%s; pip install 'ray[default]' "
-                    "adds them): the local Ray runs without it, so Ray Train's placement-group cleaner cannot "
-                    "free the workers of a run whose controller died, and hymt tune refuses to start", missing)
-        with _environ(RAY_API_SERVER_ADDRESS=NO_API_SERVER):
-            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **init_kwargs)
+        _start_without_dashboard(num_cpus, f"its packages are missing ({missing}; pip install 'ray[default]' "
+                                 "adds them)", **init_kwargs)
         return
     taken = []
     for _ in range(PORT_ATTEMPTS):
@@ -91,13 +88,40 @@ def start_local_ray(num_cpus: int, **init_kwargs) -> None:
             return
         except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception when its dashboard exits
             if not _port_was_taken(e):
-                raise
+                failed = _dashboard_failed(e)
+                if failed is None:
+                    raise
+                _start_without_dashboard(num_cpus, f"it exited at its start ({failed})", **init_kwargs)
+                return
             taken.append(port)
             if len(taken) < PORT_ATTEMPTS:
                 log.info("Ray's dashboard port %d was taken while Ray started (another Ray starting beside this "
                          "one); starting again on another port", port)
     raise RuntimeError(f"a local Ray could not start: its dashboard port was taken by another process while "
                        f"Ray started, {PORT_ATTEMPTS} times (ports {', '.join(map(str, taken))})")
+
+
+def _start_without_dashboard(num_cpus: int, why: str, **init_kwargs) -> None:
+    """A local Ray without a dashboard, after one warning that says why and what degrades."""
+    import ray
+
+    log.warning("Ray's dashboard cannot start, %s: the local Ray runs without it, so Ray Train's placement-group "
+                "cleaner cannot free the workers of a run whose controller died, and hymt tune refuses to start",
+                why)
+    with _environ(RAY_API_SERVER_ADDRESS=NO_API_SERVER):
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **init_kwargs)
+
+
+def _dashboard_failed(error: Exception) -> str | None:
+    """The last line of the dashboard's own error when ``ray.init`` failed because the dashboard process
+    exited at its start for a reason other than its port (e.g. a Ray installed without the dashboard's web
+    build: ``FrontendNotFoundError``), else None. Ray 2.60 raises a bare ``Exception`` holding the end of
+    dashboard.log after the words below."""
+    text = str(error)
+    if "(it contains the error message from the dashboard)" not in text:
+        return None
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1][:300]
 
 
 def dashboard_packages_missing() -> ImportError | None:

@@ -114,6 +114,7 @@ def translate_lines(cfg, model: str, lines: list[str], src: str, tgt: str, sampl
     how the model is loaded; on Ray, those not in ``explicit_device`` (the user's choices) may move to the
     cluster's GPUs (:func:`~raytrain_hymt.driver.evaluate.settle_device_on_ray`).
     """
+    from raytrain_hymt.driver.evaluate import say_automatic_device
     from raytrain_hymt.languages import UnsupportedLanguageError, resolve
 
     try:
@@ -127,6 +128,7 @@ def translate_lines(cfg, model: str, lines: list[str], src: str, tgt: str, sampl
         if _use_ray(use_ray):
             texts, errors = _on_ray(cfg, path, [lines[i] for i in todo], src_code, tgt_code, sample, explicit_device)
         else:
+            say_automatic_device(cfg, explicit_device)
             texts, errors = _in_process(cfg, path, [lines[i] for i in todo], src_code, tgt_code, sample)
     result = TranslateResult(translations=[""] * len(lines))
     for i, text, error in zip(todo, texts, errors):

@@ -32,7 +32,7 @@ import yaml
 
 from raytrain_hymt.config.schema import Config, flatten, to_yaml
 from raytrain_hymt.errors import ConfigError
-from raytrain_hymt.storage import CONFIG_FILE, RUN_FILE
+from raytrain_hymt.storage import CONFIG_FILE
 
 log = logging.getLogger("raytrain_hymt")
 
