@@ -168,7 +168,7 @@ def test_preflight_failure_creates_no_ray_session_run_folder_or_mlflow_run(tmp_p
     home.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
     env.update(HOME=str(home), TMPDIR=str(home), RAY_TMPDIR=str(home),
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ["PYTHONPATH"]]))
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     runs = tmp_path / "runs"
     bad = sources({"path": str(corpus), "format": "tsv", "src_lang": "de", "tgt_lang": "jp"})
     run = subprocess.run([sys.executable, "-m", "raytrain_hymt.cli", "prepare", str(tmp_path / "out"), "--set", bad,
@@ -470,7 +470,7 @@ def test_ctrl_c_during_training_says_where_the_checkpoint_is_and_how_to_resume(r
     from raytrain_hymt.data.files import SAMPLE_CORPUS
 
     env = dict(os.environ, RAY_ADDRESS=ray_session.get_runtime_context().gcs_address,
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ["PYTHONPATH"]]))
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     small = tmp_path / "small.tsv"  # a few hundred pairs: the point is the interrupt, not the data
     small.write_text("".join(SAMPLE_CORPUS.read_text(encoding="utf-8").splitlines(keepends=True)[:600]))
     overrides = tiny_overrides(tmp_path, **{"optim.max_steps": 10_000, "checkpoint.every_steps": 2,

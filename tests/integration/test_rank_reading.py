@@ -183,6 +183,8 @@ def _overrides(storage: Path, name: str, workers: int, **extra) -> list[str]:
         "tracking.enabled": False, "eval.every_steps": 1000, "checkpoint.every_steps": 1000,
     }
     values.update(extra)
+    if "data.prepared_path" in extra:  # a prepared dataset trains on the sources it was prepared from
+        del values["data.sources"]
     return [f"{k}={v}" for k, v in values.items()]
 
 
