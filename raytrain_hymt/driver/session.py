@@ -351,13 +351,16 @@ def check_state_api() -> None:
         nodes = list_nodes(address=ray.get_runtime_context().gcs_address, limit=10_000, timeout=10,
                            raise_on_missing_output=False)
     except RayStateApiException as e:
-        # A local Ray started without its dashboard because this Python lacks the dashboard's packages.
-        missing = dashboard_packages_missing()
-        reason = f"its packages are missing: {missing}" if missing else type(e).__name__
+        reason = type(e).__name__
     else:
         if ray.get_runtime_context().get_node_id() in {n.node_id for n in nodes}:
             return
         reason = "the State API on this machine answers for another Ray cluster"
+    # A local Ray started without its dashboard because this Python lacks the dashboard's packages: that is
+    # the cause to name, whether nothing answered or another Ray's dashboard on this machine did.
+    missing = dashboard_packages_missing()
+    if missing:
+        reason = f"its packages are missing: {missing}"
     raise ConfigError(
         f"hymt tune needs Ray's State API, served by the dashboard, which this cluster does not run ({reason}): "
         "without it every trial ASHA stops keeps its workers' CPUs/GPUs reserved and the search hangs once they "
