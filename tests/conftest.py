@@ -152,10 +152,14 @@ def finished_run(ray_session, tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def _unit_tests_start_no_ray(request):
-    """A test under tests/unit that leaves Ray started in this process fails: it belongs in tests/integration."""
-    yield
-    if (TESTS / "unit") in Path(str(request.node.fspath)).parents:
-        import sys
+    """A test under tests/unit that starts Ray in this process fails: it belongs in tests/integration. (A Ray
+    already up when it began is an integration test's, in a whole-suite run.)"""
+    import sys
 
+    unit = (TESTS / "unit") in Path(str(request.node.fspath)).parents
+    ray = sys.modules.get("ray")
+    was_up = ray is not None and ray.is_initialized()
+    yield
+    if unit and not was_up:
         ray = sys.modules.get("ray")
         assert ray is None or not ray.is_initialized(), f"{request.node.nodeid} started Ray: move it to tests/integration"

@@ -248,8 +248,8 @@ def test_split_key_is_roughly_uniform():
 
 def test_drop_reasons_constant():
     assert DROP_REASONS == (
-        "malformed", "invalid_utf8", "unsupported_language", "empty", "too_short", "too_long", "length_ratio",
-        "identical", "duplicate", "too_many_tokens", "subsampled",
+        "malformed", "invalid_utf8", "other_languages", "unsupported_language", "empty", "too_short", "too_long",
+        "length_ratio", "identical", "duplicate", "too_many_tokens", "subsampled",
     )  # fmt: skip
 
 
