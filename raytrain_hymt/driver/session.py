@@ -82,7 +82,7 @@ def start_local_ray(num_cpus: int, **init_kwargs) -> None:
         port = _dashboard_port()
         try:
             with (_environ(RAY_API_SERVER_ADDRESS=f"http://127.0.0.1:{port}"), _ending_a_failed_start(),
-                  _unless_the_port_was_taken("ray._private.services")):
+                  _unless_the_dashboard_failed("ray._private.services")):
                 ray.init(address="local", num_cpus=num_cpus, include_dashboard=True, dashboard_port=port,
                          **init_kwargs)
             return
@@ -185,9 +185,10 @@ class _Kept(logging.Handler):
 
 
 @contextlib.contextmanager
-def _unless_the_port_was_taken(name: str):
-    """The records logger ``name`` writes inside the block, passed on after it, unless it failed on a taken
-    dashboard port: such a dashboard logs the end of its dashboard.log as errors, moot once Ray starts again."""
+def _unless_the_dashboard_failed(name: str):
+    """The records logger ``name`` writes inside the block, passed on after it, unless its dashboard failed
+    (a taken port, or an exit at its start): such a dashboard logs the end of its dashboard.log as errors,
+    moot once Ray starts again (on another port, or without it after one warning)."""
     logger = logging.getLogger(name)
     kept, propagate = _Kept(), logger.propagate
     logger.addHandler(kept)
@@ -195,7 +196,7 @@ def _unless_the_port_was_taken(name: str):
     try:
         yield
     except Exception as e:
-        if _port_was_taken(e):
+        if _port_was_taken(e) or _dashboard_failed(e) is not None:
             kept.records.clear()
         raise
     finally:
