@@ -51,6 +51,29 @@ class NullTracker:
     log_params = log_metrics = log_artifact = log_text = log_dict = set_tags = close = finish = _nothing
 
 
+class LocalTracker(NullTracker):
+    """Rank 0's tracker with MLflow off: metrics and params still go to ``metrics.jsonl`` (and TensorBoard when
+    on), so that ``hymt plot``, the summary and the benchmarks read the run as with MLflow."""
+
+    def __init__(self, local_dir: str | Path, tensorboard: bool = False):
+        self._local = MetricsLog(Path(local_dir), tensorboard)
+
+    def log_params(self, params: Mapping) -> None:
+        """Log flattened, redacted params locally."""
+        items = {clean_key(k): str(v)[:MAX_PARAM_VAL_LENGTH] for k, v in redact(flatten(params)).items()}
+        self._local.write("param", [(k, v, None) for k, v in items.items()], time.time())
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        """Log scalar metrics at ``step`` locally."""
+        self._local.write("metric", [(clean_key(k), float(v), int(step)) for k, v in metrics.items()], time.time())
+
+    def finish(self, status: str | None = "FINISHED") -> None:
+        """Close the files."""
+        self._local.close()
+
+    close = finish
+
+
 class Tracker:
     """MLflow run of one job, tolerant of server outages; create with :meth:`start`. ``run_id``: the requested id until
     the run is found (None: none yet). ``new_measurements``: see :class:`RunContents`."""

@@ -93,9 +93,11 @@ def train_loop(loop_config: dict) -> None:
 
 def rank0_tracker(w: Worker):
     """Rank 0's tracker of the run's MLflow run (metrics.jsonl, TensorBoard); the others a no-op one."""
-    from raytrain_hymt.tracking.tracker import make_tracker
+    from raytrain_hymt.tracking.tracker import LocalTracker, make_tracker
 
     cfg, inputs = w.cfg, w.inputs
+    if w.rank == 0 and not cfg.tracking.enabled:
+        return LocalTracker(inputs.run_dir, cfg.tracking.tensorboard)
     return make_tracker(
         w.rank == 0 and cfg.tracking.enabled and inputs.tracking_uri is not None,  # rank 0 logs even if the server is down
         tracking_uri=inputs.tracking_uri, experiment=cfg.tracking.experiment, run_name=cfg.run.name or "",
