@@ -7,7 +7,8 @@ Writes a random-init model folder of the Hunyuan-7B shape once (``--model-dir``;
 ``--shape tiny``: the tiny model, for CPU smoke runs with ``--cpu``), joins the cluster in ``RAY_ADDRESS`` or
 starts its own ``ray start --head`` (stopped by process group, never a bare ``ray stop``) so that the driver
 joins a cluster and its peak RSS is its own, then runs ``hymt train --config PRESET`` with only the model
-folder, the worker count, the step count and the tracking store (an sqlite file under ``--out``) changed.
+folder, the worker count, the step count and the tracking store (an sqlite file under ``--out``; MLflow off where it is not installed)
+changed.
 Reports one JSON line, every figure from what the workers wrote (``benchmarks.run_figures``: rank 0's
 ``metrics.jsonl``, the checkpoint and model folders, ``summary.json``), none from the console: the GPU memory
 peaks (``max_memory_allocated``/``max_memory_reserved``), tokens/s per GPU, MFU, the checkpoint's size against
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import signal
@@ -106,10 +108,13 @@ def main(argv=None) -> int:
     write_s = time.time() - t0
     torch.cuda.empty_cache()
     name = f"real-{args.preset}-{int(time.time())}"
+    # The figures come from rank 0's metrics.jsonl, which is written with MLflow on or off: a GPU image
+    # without MLflow still benchmarks, and one with it records the run in an sqlite store beside the results.
+    tracking = (["tracking.enabled=true", f"tracking.tracking_uri=sqlite:///{out / 'mlflow.db'}"]
+                if importlib.util.find_spec("mlflow") else ["tracking.enabled=false"])
     cmd = [sys.executable, "-m", "raytrain_hymt.cli", "train", "--config", args.preset, "--name", name,
            *[a for o in [f"model.name_or_path={folder}", f"scaling.num_workers={args.workers}",
-                         f"optim.max_steps={args.steps}", "tracking.enabled=true",
-                         f"tracking.tracking_uri=sqlite:///{out / 'mlflow.db'}", f"run.storage_root={out / 'runs'}",
+                         f"optim.max_steps={args.steps}", *tracking, f"run.storage_root={out / 'runs'}",
                          *(CPU_PRESET_OVERRIDES if args.cpu else []), *args.extra] for a in ("--set", o)]]
     with _cluster(torch.cuda.device_count() if gpu else 0, os.cpu_count() or 2) as address:
         env = dict(os.environ, RAY_ADDRESS=address)
