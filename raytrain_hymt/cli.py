@@ -172,6 +172,14 @@ def cmd_plot(args) -> int:
     return 0
 
 
+def cmd_sync(args) -> int:
+    """Send a run's metrics.jsonl and params to MLflow where its MLflow run lacks them (after an outage)."""
+    from raytrain_hymt.driver.runs import sync_run
+
+    print("\n".join(sync_run(_load(args), args.run)))
+    return 0
+
+
 INFERENCE_DEVICE_HELP = (
     "The model runs on the GPU when there is one (this machine's, or the Ray cluster's), in bf16 where the "
     "GPU supports it, else fp16; on the CPU in fp32. A run's training settings (scaling.use_gpu, "
@@ -230,6 +238,10 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--compare", nargs="+", default=[], metavar="RUN", help="more runs drawn in the same panels")
     plot.add_argument("--out", "-o", default=None, help="PNG file (default: <storage_root>/<run>/plot.png)")
     plot.set_defaults(func=cmd_plot)
+    sync = sub.add_parser("sync", help="send a run's metrics.jsonl to MLflow after a tracking outage (once; no Ray)")
+    _config_args(sync)
+    sync.add_argument("run", help="run name under run.storage_root")
+    sync.set_defaults(func=cmd_sync)
     tune = sub.add_parser("tune", help="learning-rate search with Ray Tune")
     _config_args(tune)
     tune.set_defaults(func=cmd_tune)

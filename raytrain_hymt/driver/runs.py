@@ -99,3 +99,46 @@ def finished_summary(cfg: Config) -> TrainingSummary | None:
         return None
     text = RunFolder(cfg.run.storage_path, cfg.run.name, create=False).read_text(SUMMARY_FILE)
     return TrainingSummary(**json.loads(text)) if text else None
+
+
+def sync_run(cfg: Config, name: str) -> list[str]:
+    """``hymt sync``: send run ``name``'s ``metrics.jsonl`` and params to MLflow where its MLflow run lacks them
+    (``tracking.sync``); what the user reads. The tracking URI: ``tracking.tracking_uri`` or
+    ``$MLFLOW_TRACKING_URI`` when set, else the one the run used (``run.json``), else the sqlite default."""
+    import os
+
+    import yaml
+
+    from raytrain_hymt.errors import ConfigError
+    from raytrain_hymt.storage import METRICS_FILE, RunFolder
+    from raytrain_hymt.tracking.redact import redact_uri_credentials
+    from raytrain_hymt.tracking.sync import sync_metrics
+    from raytrain_hymt.tracking.tracker import is_outage, resolve_tracking_uri
+
+    use_driver_env(cfg)
+    folder = RunFolder(cfg.run.storage_path, name, create=False)
+    if folder.read_text(METRICS_FILE) is None:
+        raise ConfigError(f"sync: run {name!r} has no {METRICS_FILE} in {folder.uri} (no such run, or it logged nothing)")
+    saved = json.loads(folder.read_text(RUN_FILE) or "{}")
+    uri = cfg.tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or saved.get("tracking_uri") \
+        or resolve_tracking_uri(None, cfg.run.storage_path)
+    first_config = yaml.safe_load(folder.read_text(CONFIG_FILE) or "{}") or {}
+    experiment = (first_config.get("tracking") or {}).get("experiment") or cfg.tracking.experiment
+    if folder.remote:
+        folder.pull(METRICS_FILE)
+    try:
+        result = sync_metrics(folder.local / METRICS_FILE, tracking_uri=uri, experiment=experiment, run_name=name,
+                              run_id=saved.get("mlflow_run_id"), run_key=saved.get("mlflow_run_key"),
+                              finished=folder.read_text(SUMMARY_FILE) is not None)
+    except Exception as exc:
+        if not is_outage(exc):
+            raise
+        raise ConfigError(f"sync: the MLflow tracking server {redact_uri_credentials(uri)} does not answer "
+                          f"({type(exc).__name__}); nothing was sent: run hymt sync again once it does") from exc
+    if result.run_id != saved.get("mlflow_run_id"):  # later commands continue the run sync found or created
+        folder.write_text(RUN_FILE, json.dumps({**saved, "mlflow_run_id": result.run_id, "tracking_uri": uri}))
+    where = f"MLflow run {result.run_id} in experiment '{experiment}' at {redact_uri_credentials(uri)}"
+    if not (result.metrics_sent or result.params_sent):
+        return [f"sync {name}: {where} already holds everything in {METRICS_FILE}; nothing sent"]
+    steps = f" (steps {result.steps[0]}-{result.steps[1]})" if result.steps else ""
+    return [f"sync {name}: sent {result.metrics_sent} metric value(s){steps} and {result.params_sent} param(s) to {where}"]

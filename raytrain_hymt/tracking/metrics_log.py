@@ -76,3 +76,18 @@ def _tensorboard_writer(log_dir: Path):
     from torch.utils.tensorboard import SummaryWriter
 
     return SummaryWriter(log_dir=str(log_dir))
+
+
+def read_params(path: Path) -> dict[str, str]:
+    """The params ``path`` holds, each key's first value (MLflow keeps the first; a resumed job logs them again)."""
+    params: dict[str, str] = {}
+    if not path.is_file():
+        return params
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if rec.get("kind") == "param":
+            params.setdefault(rec["key"], str(rec["value"]))
+    return params

@@ -364,3 +364,93 @@ def test_a_hung_store_never_holds_up_logging(tmp_path, caplog, monkeypatch):
             assert _unreachable_warnings(caplog) == 1
         finally:
             proxy.close()
+
+
+def _hymt(*args: str, env: dict | None = None):
+    """``hymt ARGS`` in a subprocess; also says whether Ray was imported (``RAY: True/False``, last line)."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    script = ("import sys\nfrom raytrain_hymt.cli import main\nrc = main(sys.argv[1:])\n"
+              "print('RAY:', 'ray' in sys.modules)\nsys.exit(rc)")
+    full = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    full.pop("HYMT_VERBOSE", None)
+    return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=300,
+                          env=full, cwd=REPO)
+
+
+def test_sync_sends_what_metrics_jsonl_holds_once(server_url, tmp_path):
+    """``hymt sync`` of a run whose tracking server was down from its start to its end. A hand-written run
+    folder stands in for such a run (training one costs a minute; what sync reads is only ``run.json``,
+    ``metrics.jsonl``, ``config.yaml`` and ``summary.json``): its ``run.json`` has the job's key but no MLflow
+    run id, its ``metrics.jsonl`` the driver's data metric at step 0, steps 1-6 of rank 0 with steps 5-6 logged
+    twice (a resume after a checkpoint at 4; the first value counts, as the tracker keeps it), validation at
+    3 and 6, and the params logged at the start and again at the resume. The server, back, is the module's."""
+    run_dir = tmp_path / "runs" / "offline"
+    run_dir.mkdir(parents=True)
+    (run_dir / "run.json").write_text(json.dumps({"mlflow_run_id": None, "mlflow_run_key": "key-offline-1",
+                                                  "tracking_uri": server_url}))
+    (run_dir / "config.yaml").write_text("tracking:\n  experiment: synced\n")
+    (run_dir / "summary.json").write_text("{}")
+    loss = {1: 8.0, 2: 7.5, 3: 7.0, 4: 6.5, 5: 6.0, 6: 5.5}
+    lines = [{"kind": "param", "step": None, "key": k, "value": v, "time": 100.0}
+             for k, v in (("optim.lr", "0.001"), ("optim.max_steps", "6"))]
+    lines.append({"kind": "metric", "step": 0, "key": "data.rows_read", "value": 10390.0, "time": 100.0})
+    attempts = [range(1, 7), range(5, 7)]  # crashed after step 6, resumed from the checkpoint at step 4
+    for n, steps in enumerate(attempts):
+        for step in steps:
+            when = 100.0 + 10 * n + step
+            lines.append({"kind": "metric", "step": step, "key": "train/loss", "value": loss[step] + n, "time": when})
+            if step % 3 == 0:
+                lines.append({"kind": "metric", "step": step, "key": "val/loss", "value": loss[step] + 0.25 + n,
+                              "time": when})
+        if n == 0:
+            lines += [{**line, "value": "0.002" if line["key"] == "optim.lr" else line["value"], "time": 150.0}
+                      for line in lines[:2]]  # params again at the resume (a changed lr: MLflow keeps the first)
+    lines.append('{"kind": "metric", "step": 7, "key": "train/lo')  # cut off by the crash: skipped
+    (run_dir / "metrics.jsonl").write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines))
+    storage = ["--set", f"run.storage_root={tmp_path / 'runs'}"]
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    down = _hymt("sync", "offline", *storage, "--set", f"tracking.tracking_uri={dead}")
+    assert down.returncode == 2, down.stderr
+    assert down.stderr.strip().splitlines() == [
+        f"error: sync: the MLflow tracking server {dead} does not answer (MlflowException); nothing was sent: run "
+        "hymt sync again once it does"]
+    assert json.loads((run_dir / "run.json").read_text())["mlflow_run_id"] is None
+
+    first = _hymt("sync", "offline", *storage)
+    assert first.returncode == 0, first.stderr
+    run_id = json.loads((run_dir / "run.json").read_text())["mlflow_run_id"]
+    assert first.stdout.splitlines() == [
+        f"sync offline: sent 9 metric value(s) (steps 0-6) and 2 param(s) to MLflow run {run_id} in experiment "
+        f"'synced' at {server_url}", "RAY: False"]
+
+    def history() -> dict:
+        client = MlflowClient(server_url)
+        runs = client.search_runs([client.get_experiment_by_name("synced").experiment_id])
+        assert [r.info.run_id for r in runs] == [run_id]
+        run = runs[0]
+        assert (run.info.status, run.info.run_name, run.data.tags[tracking.RUN_KEY_TAG]) == (
+            "FINISHED", "offline", "key-offline-1")
+        assert run.data.params == {"optim.lr": "0.001", "optim.max_steps": "6"}
+        return {key: [(m.step, m.value, m.timestamp) for m in sorted(client.get_metric_history(run_id, key),
+                                                                      key=lambda m: m.step)]
+                for key in ("data.rows_read", "train/loss", "val/loss")}
+
+    assert history() == {
+        "data.rows_read": [(0, 10390.0, 100_000)],
+        "train/loss": [(s, loss[s], (100 + s) * 1000) for s in range(1, 7)],
+        "val/loss": [(3, 7.25, 103_000), (6, 5.75, 106_000)],
+    }
+    after_first = history()
+
+    second = _hymt("sync", "offline", *storage)
+    assert second.returncode == 0, second.stderr
+    assert second.stdout.splitlines() == [
+        f"sync offline: MLflow run {run_id} in experiment 'synced' at {server_url} already holds everything in "
+        "metrics.jsonl; nothing sent", "RAY: False"]
+    assert history() == after_first
+    assert json.loads((run_dir / "run.json").read_text())["mlflow_run_id"] == run_id
