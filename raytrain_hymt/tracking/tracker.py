@@ -282,7 +282,8 @@ class Tracker:
         history = [Metric(k, v, int(t * 1000), s) for k, v, s, t in read_metrics(self._local.path, self._history_end)]
         self._metrics = self._run_has.admit(history + self._metrics)
         self.run_id, self.experiment_id, self._attached = run.info.run_id, run.info.experiment_id, True
-        logger.info("MLflow run %s of %r: %d metric(s) to send", self.run_id, self.experiment, len(self._metrics))
+        if self._metrics:  # earlier attempts' metrics the run lacks; nothing worth a line otherwise
+            logger.info("MLflow run %s of %r: %d metric(s) to send", self.run_id, self.experiment, len(self._metrics))
         self._settle("the run", None)  # it answered
 
 

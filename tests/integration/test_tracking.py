@@ -208,6 +208,8 @@ def test_sqlite_default_params_metrics_and_resume(tmp_path, caplog):
     assert sorted(m.step for m in history) == [1, 2, 3, 4, 5, 6, 7]  # no duplicated steps
     assert {m.step: m.value for m in history}[5] == 5.0  # the first attempt's value is kept
     assert any("immutable" in r.getMessage() for r in caplog.records)
+    # Both attempts found nothing earlier to send: no "0 metric(s) to send" line on every command's console.
+    assert [r.getMessage() for r in caplog.records if "to send" in r.getMessage()] == []
     # Artifacts sit next to the DB, not in the process's cwd.
     assert run.info.artifact_uri.startswith((tmp_path / "storage" / "mlartifacts").as_uri())
 
