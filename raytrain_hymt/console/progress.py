@@ -77,6 +77,13 @@ class Publisher:
         if self.board is not None and self.rank == 0:
             self.board.publish.remote(update)
 
+    def note(self, message: str) -> None:
+        """A line for the driver's console (rank 0's, e.g. the checkpoint a run resumes from): logged, which
+        Ray forwards when verbose (no board then), and sent to the board, whose watcher prints it."""
+        log.info(message)
+        if self.board is not None and self.rank == 0:
+            self.handler.sent = self.board.say.remote(message)
+
     def close(self) -> None:
         """Stop forwarding, once what was sent has reached the board: the driver reads it after the workers
         end, and messages sent through two handles (this rank's, the driver's) are not ordered."""

@@ -37,12 +37,18 @@ class TrainingSummary:
     mlflow_experiment: str | None
     test_scores: dict | None = None
     """``{"test_set": name, "scores": {direction: {"bleu", "chrf", ...}}}`` when ``eval.test_set`` was set."""
+    started_at: int = 0
+    """The step the submission that finished the run resumed from (0: it trained every step). ``steps`` and
+    ``wall_time_s`` are the run's total and this submission's time."""
 
     def lines(self) -> list[str]:
         """What the user reads at the end of a run."""
         val = f", validation loss {self.val_loss:.4f}" if self.val_loss is not None else ""
+        steps = f"{self.steps} steps" if not self.started_at else (
+            f"trained {self.steps - self.started_at} steps this time (steps {self.started_at + 1}-{self.steps}), "
+            f"{self.steps} in total,")
         out = [
-            f"run {self.name}: {self.steps} steps in {self.wall_time_s:.0f} s, train loss {self.train_loss:.4f}{val}",
+            f"run {self.name}: {steps} in {self.wall_time_s:.0f} s, train loss {self.train_loss:.4f}{val}",
             f"  checkpoint:   {self.checkpoint}",
         ]
         if self.test_scores:

@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import time
+import uuid
 from dataclasses import asdict
 from pathlib import Path
 
@@ -51,6 +52,7 @@ def run_training(cfg: Config, *, datasets=None, callbacks=(), parent_run_id: str
             "tracking_run_id": tracker.run_id, "tracking_run_key": tracker.run_key, "tracking_uri": uri,
             "run_dir": str(folder.local),
             "data_fingerprint": fingerprint,
+            "submission": uuid.uuid4().hex,  # a restart within this call is not a resume (RunState.submission)
         }
         result = fit_workers(cfg, train, val, loop_inputs, callbacks)
         model_dir = locate_model(cfg, folder, tracker)
@@ -176,13 +178,15 @@ def score_test_set(cfg: Config, folder: RunFolder, tracker, model_dir: str | Non
 def summarise(cfg: Config, folder: RunFolder, result, model_dir: str | None, test_scores: dict | None,
               uri: str | None, mlflow_run_id: str | None, started: float) -> TrainingSummary:
     """What the user reads at the end, and what ``summary.json`` keeps."""
+    from raytrain_hymt.train.loop import STARTED_AT
+
     metrics = result.metrics or {}
     return TrainingSummary(
         name=cfg.run.name, run_dir=folder.uri, checkpoint=result.checkpoint.path, model_dir=model_dir,
         steps=int(metrics.get("step", 0)), train_loss=float(metrics.get("train_loss", float("nan"))),
         val_loss=metrics.get("val_loss"), wall_time_s=time.time() - started, tracking_uri=uri,
         mlflow_run_id=mlflow_run_id, mlflow_experiment=cfg.tracking.experiment if uri else None,
-        test_scores=test_scores,
+        test_scores=test_scores, started_at=int(metrics.get(STARTED_AT, 0)),
     )
 
 

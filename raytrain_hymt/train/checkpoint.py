@@ -88,6 +88,11 @@ class RunState:
     adapters, so resume and export rebuild the base from it and refuse another one."""
     data_fingerprint: dict | None = None
     """What the run trains on (``data.fingerprint``): sources, sizes, hashes, settings; checked on resume."""
+    submission: str | None = None
+    """The id of the submission (``hymt train`` or a job) that saved it: restoring a checkpoint of the same
+    submission is one of Ray Train's restarts, not a resume."""
+    submission_start: int = 0
+    """The step the saving submission started from (0: it started the run); its summary counts from there."""
 
 
 class ResumeMismatchError(ValueError):

@@ -23,6 +23,8 @@ log = logging.getLogger("raytrain_hymt")
 
 #: Rank 0's metric of how long the workers took to export the model (seconds), logged at the last step.
 EXPORT_SECONDS = "export/seconds"
+#: The step this submission started from, in every report to Ray Train: the driver's summary counts from it.
+STARTED_AT = "started_at"
 
 
 @dataclass
@@ -34,6 +36,8 @@ class Position:
     batch_in_epoch: int = 0
     skipped_steps: int = 0
     generation: int = 0
+    started: int = 0
+    """The step this submission started from (``RunState.submission_start``)."""
 
 
 def train_loop(loop_config: dict) -> None:
@@ -57,6 +61,12 @@ def train_loop(loop_config: dict) -> None:
     state = w.restore()
     at = Position(*(state.step, state.epoch, state.batch_in_epoch, state.skipped_steps, state.generation)
                   if state else ())
+    if state is not None and state.submission == inputs.submission:  # a restart within this submission
+        at.started = state.submission_start
+    elif state is not None:
+        at.started = state.step
+        if w.rank == 0:
+            progress.note(f"resuming from {w.resumed_from} (step {state.step} of {w.total_steps})")
     tracker = rank0_tracker(w)
     try:
         tracker.log_dict(w.ds_config, "deepspeed_config.json")  # the resolved one, "auto" values filled in
@@ -165,7 +175,7 @@ class StepHandler:
         from raytrain_hymt.train.checkpoint import RunState, checkpoint_dir_name, save_rank_checkpoint, step_tag
 
         w, cfg = self.w, self.w.cfg
-        report = {"step": at.step, "train_loss": metrics["train/loss"]}
+        report = {"step": at.step, "train_loss": metrics["train/loss"], STARTED_AT: at.started}
         if "val/loss" in metrics:  # only this step's: an older validation would mislead ASHA
             report["val_loss"] = self.val_loss
         if not checkpoint:
@@ -176,7 +186,8 @@ class StepHandler:
                          tag=step_tag(at.step), zero_stage=cfg.deepspeed.zero_stage,
                          tracking_run_id=w.inputs.tracking_run_id, skipped_steps=at.skipped_steps,
                          global_rows=w.global_rows, generation=at.generation, precision=cfg.deepspeed.precision,
-                         base_model=w.base_model, data_fingerprint=w.inputs.data_fingerprint)
+                         base_model=w.base_model, data_fingerprint=w.inputs.data_fingerprint,
+                         submission=w.inputs.submission, submission_start=at.started)
         folder = save_rank_checkpoint(w.engine, state, w.rank, w.tokenizer)
         upload = (ray.train.CheckpointUploadMode.ASYNC if cfg.checkpoint.async_upload
                   else ray.train.CheckpointUploadMode.SYNC)

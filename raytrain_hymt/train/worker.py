@@ -46,6 +46,8 @@ class LoopInputs:
     """Where the training rows are (``data.blocks.train_blocks``): each rank fetches its own rows from there."""
     val_blocks: object = None
     """Where the validation rows are (``data.blocks.val_blocks``): every rank reads them all."""
+    submission: str | None = None
+    """This submission's id (``checkpoint.RunState.submission``), new for every ``run_training``."""
 
 
 def _setup_environment(use_gpu: bool) -> torch.device:
@@ -87,6 +89,7 @@ class Worker:
         self.inputs = inputs
         self.device = _setup_environment(self.cfg.scaling.use_gpu)
         self.rank, self.world = rank, world
+        self.resumed_from: str | None = None  # the checkpoint folder restore() loaded
         opt = self.cfg.optim
         # Derived from the worker count Ray gave this attempt: optim.global_batch_rows keeps the global
         # batch whatever that count is (a ConfigError when it does not divide).
@@ -233,8 +236,7 @@ class Worker:
                 log.warning("not resuming from %s", error)
             (failed_ranks,) = all_reduce_sum([1.0 if error else 0.0], self.device)
             if not failed_ranks:
-                if self.rank == 0:
-                    log.info("resumed from %s at step %d", path, state.step)
+                self.resumed_from = path.rstrip("/").rsplit("/", 1)[-1]  # the loop says it (rank 0, once)
                 if path != latest.path:
                     state.generation = next_generation(fs, path.rstrip("/").rsplit("/", 1)[0])
                 self.engine.train()  # as after build: a restored run trains exactly like an uninterrupted one
