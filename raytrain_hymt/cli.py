@@ -59,18 +59,24 @@ def cmd_prepare(args) -> int:
 
 
 def cmd_export(args) -> int:
-    """Export a Hugging Face model folder from any checkpoint (in a Ray task, streaming shard by shard)."""
-    from raytrain_hymt.config.schema import Config
-    from raytrain_hymt.driver.session import init_ray
-    from raytrain_hymt.train.export import export_stored_checkpoint
+    """Export a Hugging Face model folder from a checkpoint or a run's newest whole one (streaming shard by
+    shard; in this process, or in a Ray task when RAY_ADDRESS names a cluster)."""
+    from raytrain_hymt.driver.export import export_command
 
-    init_ray(Config())  # joins the cluster in RAY_ADDRESS or starts a local Ray
-    out, peak_gib = export_stored_checkpoint(args.checkpoint, args.out, max_shard_mb=args.max_shard_mb,
-                                             adapter_out=args.adapter)
-    print(f"exported {args.checkpoint} to {out}  (AutoModelForCausalLM.from_pretrained loads it; "
-          f"peak memory of the export task {peak_gib:.2f} GiB)")
+    done = export_command(args.checkpoint, args.out, max_shard_mb=args.max_shard_mb, adapter_out=args.adapter)
+    print(f"exported {done.checkpoint} to {done.out}  (AutoModelForCausalLM.from_pretrained loads it; "
+          f"peak memory of the export {'task' if done.on_ray else 'process'} {done.peak_gib:.2f} GiB)")
     if args.adapter:
         print(f"LoRA adapters alone: {args.adapter}  (adapter_config.json + adapter_model.safetensors)")
+    return 0
+
+
+def cmd_preview(args) -> int:
+    """Print the first training examples as the model sees them, the loss-masked part marked (no Ray)."""
+    from raytrain_hymt.driver.preview import run_preview
+
+    color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+    sys.stdout.write(run_preview(_load(args), args.n, color=color))
     return 0
 
 
@@ -200,8 +206,12 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("--overwrite", action="store_true",
                          help="replace what OUT holds (without it a non-empty OUT is refused)")
     prepare.set_defaults(func=cmd_prepare)
+    preview = sub.add_parser("preview", help="print the first training examples as tokenized, the masked prompt in ⟦…⟧")
+    _config_args(preview, name_help="run name (unused by preview)")
+    preview.add_argument("-n", type=int, default=3, help="how many training examples (default 3)")
+    preview.set_defaults(func=cmd_preview)
     export = sub.add_parser("export", help="export a Hugging Face model folder from a checkpoint")
-    export.add_argument("checkpoint", help="a checkpoint_step* folder of a run")
+    export.add_argument("checkpoint", help="a checkpoint_step* folder, or a run folder (its newest whole checkpoint)")
     export.add_argument("out", help="output folder or URI")
     export.add_argument("--max-shard-mb", type=int, default=5000, help="largest safetensors shard, in MB")
     export.add_argument("--adapter", default=None, metavar="DIR",

@@ -6,9 +6,9 @@ Two producers feed one writer, and neither ever holds more than one shard of wei
   parameter is gathered on its own (``GatheredParameters``) and dropped once it is in a shard. The driver
   never loads the weights: it only learns where the folder is.
 * ``export_checkpoint``: ``hymt export`` of a stored checkpoint, tensor by tensor through DeepSpeed's lazy
-  ``zero_to_fp32`` (``lazy_mode=True``). ``export_stored_checkpoint`` runs it as a Ray task where the
-  resources are (never in the CLI process); the task reports its own peak memory, which stays near
-  ``2 × max shard + the libraries`` at any model size.
+  ``zero_to_fp32`` (``lazy_mode=True``). ``export_stored`` (a checkpoint in bucket storage copied to local
+  disk first) runs in the command's own process, or in a Ray task on a cluster (``driver.export`` decides);
+  either reports its peak memory, which stays near ``2 × max shard + the libraries`` at any model size.
 
 LoRA runs save only the adapters (``checkpoint.save_rank_checkpoint``); both producers merge them onto the
 frozen base named by ``model.name_or_path`` (``W + alpha/r · B·A`` in fp32, rounded once), so the export is
@@ -91,7 +91,7 @@ class _Destination:
         else:
             self.fs = None
             target = Path(out)
-            _check_export_target(target)
+            check_export_target(target)
             target.parent.mkdir(parents=True, exist_ok=True)
             self.staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
         self.written: list[str] = []
@@ -132,7 +132,7 @@ class _Destination:
         shutil.rmtree(self.staging, ignore_errors=True)
 
 
-def _check_export_target(out: Path) -> None:
+def check_export_target(out: Path) -> None:
     """Refuse to replace a folder that is not an exported model (export swaps the whole folder)."""
     if out.exists() and any(out.iterdir()) and not (out / "config.json").exists():
         raise FileExistsError(f"{out} exists and is not a model folder; export to a new or empty folder")
@@ -385,12 +385,12 @@ def export_checkpoint(folder: str | os.PathLike, out: str, max_shard_bytes: int,
     return write_model(stream, config, tokenizer, out, dtype, max_shard_bytes)
 
 
-def _export(checkpoint: str, out: str, max_shard_bytes: int, adapter_out: str | None) -> tuple[str, float]:
-    from raytrain_hymt.storage import is_uri
-    from raytrain_hymt.train.export import export_checkpoint
-
+def export_stored(checkpoint: str, out: str, max_shard_bytes: int, adapter_out: str | None) -> tuple[str, float]:
+    """Export ``checkpoint`` (a local folder, or a URI copied to this machine's disk first: DeepSpeed reads
+    local files) to ``out``; returns ``(where, peak GiB of this process)``. Paths are absolute: in a Ray task
+    a relative one would mean the worker's folder."""
     local, staged = checkpoint, None
-    if is_uri(checkpoint):  # DeepSpeed reads local files: this node takes its own copy
+    if is_uri(checkpoint):
         import pyarrow.fs
 
         fs, path = pyarrow.fs.FileSystem.from_uri(checkpoint)
@@ -402,28 +402,4 @@ def _export(checkpoint: str, out: str, max_shard_bytes: int, adapter_out: str | 
     finally:
         if staged:
             shutil.rmtree(staged, ignore_errors=True)
-    # A fresh worker process (max_calls=1), so its lifetime peak is this export's.
     return where, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-
-
-def export_stored_checkpoint(checkpoint: str, out: str, max_shard_mb: int = 5000,
-                             adapter_out: str | None = None) -> tuple[str, float]:
-    """Export ``checkpoint`` (a folder or URI) to ``out`` in a Ray task; returns ``(where, peak GiB)``.
-
-    Ray must be up (the driver joins or starts it). Paths are resolved here, so a relative path means the
-    same folder in the task.
-    """
-    import os
-
-    import ray
-
-    from raytrain_hymt.config.schema import deepspeed_accelerator_env
-    from raytrain_hymt.storage import is_uri
-
-    def absolute(p: str | None) -> str | None:
-        return p if p is None or is_uri(p) else os.path.abspath(os.path.expanduser(p))
-
-    task = ray.remote(num_cpus=1, max_calls=1, max_retries=0)(_export)
-    env = {"env_vars": deepspeed_accelerator_env(use_gpu=False)}  # the export needs no GPU
-    return ray.get(task.options(runtime_env=env).remote(absolute(checkpoint), absolute(out), max_shard_mb * 10**6,
-                                                        absolute(adapter_out)))

@@ -196,14 +196,17 @@ def _tensors(folder: Path):
             yield from (f.get_tensor(k) for k in f.keys())  # noqa: SIM118
 
 
-def test_hymt_export_streams_a_stored_checkpoint_in_a_ray_task(finished_run, tmp_path, capsys):
-    """``hymt export`` of the e2e run's last checkpoint with 1 MB shards gives the very weights the workers
-    exported, in several shards with an index, from a task whose peak memory is reported and bounded."""
+def test_hymt_export_streams_a_stored_checkpoint_in_a_ray_task(finished_run, ray_session, tmp_path, capsys,
+                                                              monkeypatch):
+    """``hymt export`` on a cluster (RAY_ADDRESS: the session's Ray) of the e2e run's last checkpoint with 1 MB
+    shards gives the very weights the workers exported, in several shards with an index, from a task whose
+    peak memory is reported and bounded."""
     import re
 
     from raytrain_hymt.cli import main
 
     _, summary = finished_run
+    monkeypatch.setenv("RAY_ADDRESS", ray_session.get_runtime_context().gcs_address)
     assert main(["export", summary.checkpoint, str(tmp_path / "model"), "--max-shard-mb", "1"]) == 0
     said = capsys.readouterr().out
     peak = float(re.search(r"peak memory of the export task ([\d.]+) GiB", said).group(1))
