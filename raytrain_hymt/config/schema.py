@@ -148,6 +148,14 @@ class ModelConfig(_Section):
     compile: bool = False
     """``torch.compile`` each decoder layer (regional compilation: one compile serves every layer).
     GPU only; the first steps are slower while it compiles."""
+    init_from: str | None = None
+    """Start a new run from the weights of another run's checkpoint: ``RUN`` (a run name under
+    ``run.storage_root``, or the path or URI of a run folder) takes its newest whole checkpoint,
+    ``RUN/checkpoint_step00000020`` that one. The new run starts at step 0 with a fresh optimizer, schedule and
+    data order; a LoRA run loads the source's adapters onto the same base. The source must have trained the
+    same ``model.name_or_path`` (and, with LoRA, the same base and adapter shape). Resolved to the
+    checkpoint's full location before the run's ``config.yaml`` is written. An exported model folder (a run's
+    ``model/``) is not a checkpoint: give it as ``model.name_or_path`` instead."""
 
 
 class OptimConfig(_Section):
