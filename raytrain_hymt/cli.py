@@ -50,17 +50,9 @@ def cmd_prepare(args) -> int:
     from raytrain_hymt.driver.train import prepare_dataset
     from raytrain_hymt.data.preflight import check_inputs
 
-    from raytrain_hymt.data.prepared import PreparedDatasetExists
-    from raytrain_hymt.storage import folder_problem
-
     cfg = _load(args)
     check_inputs(cfg)  # before Ray starts or OUT is created
-    if problem := folder_problem("OUT", args.out, "the prepared dataset: Parquet files and manifest.json"):
-        raise ConfigError(problem)
-    try:
-        stats = prepare_dataset(cfg, args.out, overwrite=args.overwrite)
-    except PreparedDatasetExists as e:  # raised before Ray starts: a mistake, nothing was created
-        raise ConfigError(str(e)) from None
+    stats = prepare_dataset(cfg, args.out, overwrite=args.overwrite)
     print(stats.summary())
     print(f"prepared dataset: {args.out}  (train on it with --set data.prepared_path={args.out})")
     return 0
@@ -159,7 +151,7 @@ def cmd_translate(args) -> int:
     explicit = explicit_device_settings(args.config, args.overrides)
     args.overrides = list(args.overrides) + inference_overrides(explicit)
     cfg = _load(args)
-    lines = read_input(args.sentences, args.input, sys.stdin)
+    lines = read_input(args.sentences, args.input, sys.stdin, args.encoding, args.src)
     result = translate_lines(cfg, args.model, lines, args.src, args.tgt, sample=args.sample, use_ray=args.ray,
                              explicit_device=explicit)
     text = "".join(t.replace("\n", " ") + "\n" for t in result.translations)
@@ -210,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=cmd_train)
     prepare = sub.add_parser("prepare", help="preprocess the corpus once into Parquet for reuse")
     _config_args(prepare, name_help="run name (unused by prepare: OUT names the dataset)")
-    prepare.add_argument("out", metavar="OUT", help="output folder or URI for the prepared dataset")
+    prepare.add_argument("out", help="output folder or URI for the prepared dataset")
     prepare.add_argument("--overwrite", action="store_true",
                          help="replace what OUT holds (without it a non-empty OUT is refused)")
     prepare.set_defaults(func=cmd_prepare)
@@ -244,6 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--from", dest="src", required=True, help="source language (any code the table maps: en, zho_Hans...)")
     tr.add_argument("--to", dest="tgt", required=True, help="target language")
     tr.add_argument("--input", "-i", default=None, help="file with one sentence per line (- for stdin)")
+    tr.add_argument("--encoding", default="utf-8",
+                    help="text encoding of --input or piped stdin (default utf-8; e.g. shift_jis, gb18030, utf-16); "
+                         "the translations are written in UTF-8")
     tr.add_argument("--output", "-o", default=None, help="write the translations here (default: stdout)")
     tr.add_argument("--sample", action="store_true",
                     help="the model card's sampling settings (top_k 20, top_p 0.6, temperature 0.7) instead of greedy")

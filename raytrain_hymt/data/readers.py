@@ -6,15 +6,17 @@ canonicalised by cleaning), ``origin`` (``file:line`` for text files, ``file:row
 relative to the source's own root and the line or row: the same corpus gives the same ids wherever it
 lives; used for deduplication ties, ordering and exact resume), ``source`` (index of the source in
 ``data.sources``) and ``drop_reason`` (``malformed`` / ``invalid_utf8`` for rows that could not be
-parsed; counted, never silently lost; their ``src`` then says what was wrong and shows the raw text, for
-the log; ``other_languages`` for a Tatoeba row outside the direction its source's ``src_lang``/``tgt_lang``
-select).
+parsed, the latter for bytes that do not decode in the source's ``encoding``; counted, never silently
+lost; their ``src`` then says what was wrong and shows the raw text, for the log; a Moses row's ``origin``
+names the file whose side is wrong; ``other_languages`` for a Tatoeba row outside the direction its
+source's ``src_lang``/``tgt_lang`` select).
 
 Formats (``SourceConfig.format``): ``tatoeba`` (4-column TSV), ``tsv`` / ``csv`` (2 columns; CSV through
 the ``csv`` module, so quoted fields may hold commas, quotes and newlines), ``moses`` (``<prefix>.<src_lang>``
 + ``<prefix>.<tgt_lang>``, line-aligned; the prefix may be a glob), ``jsonl``, ``parquet``, ``hf_disk``
 (a ``save_to_disk`` folder) and ``hf_hub`` (a ``load_dataset`` name). Text files may be gzip-compressed
-(``.gz``). Paths may be local paths, globs, or any pyarrow filesystem URI (``file://``, ``s3://``, ``gs://``).
+(``.gz``) and are decoded in their source's ``encoding`` (UTF-8 by default). Paths may be local paths,
+globs, or any pyarrow filesystem URI (``file://``, ``s3://``, ``gs://``).
 
 Reading streams: one read task per file (per file pair for Moses), each yielding blocks of
 :data:`LINES_PER_BLOCK` rows, so no process ever holds a whole corpus.
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from raytrain_hymt.data.files import (FileName, decoded_lines, open_random_access)
+from raytrain_hymt.data.files import FileName, decoded_lines, invalid_text, open_random_access
 from raytrain_hymt.errors import DataSourceError
 from raytrain_hymt.languages import orientation
 
@@ -62,22 +64,24 @@ class _Blocks:
         self.name = name
         self.cols: dict[str, list] = {c: [] for c in PAIR_COLUMNS}
 
-    def add(self, src: str, tgt: str, sl: str, tl: str, at: int, reason: str = "") -> pa.Table | None:
-        """A row read at line (or record) ``at`` of the file."""
+    def add(self, src: str, tgt: str, sl: str, tl: str, at: int, reason: str = "",
+            shown: FileName | None = None) -> pa.Table | None:
+        """A row read at line (or record) ``at`` of the file (named in ``origin`` as ``shown``, when given:
+        the partner file of a Moses pair that holds the wrong side)."""
         c = self.cols
         c["src"].append(src)
         c["tgt"].append(tgt)
         c["src_lang"].append(sl)
         c["tgt_lang"].append(tl)
-        c["origin"].append(f"{self.name.display}:{at}")
+        c["origin"].append(f"{(shown or self.name).display}:{at}")
         c["example_id"].append(example_id(self.source_index, f"{self.name.stable}:{at}"))
         c["source"].append(self.source_index)
         c["drop_reason"].append(reason)
         return self.flush() if len(c["src"]) >= LINES_PER_BLOCK else None
 
-    def bad(self, at: int, reason: str, problem: str, raw: str) -> pa.Table | None:
+    def bad(self, at: int, reason: str, problem: str, raw: str, shown: FileName | None = None) -> pa.Table | None:
         """A row that could not be parsed: kept (to be counted) with what was wrong and the raw text."""
-        return self.add(f"{problem}: {raw[:SAMPLE_CHARS]}", "", "", "", at, reason)
+        return self.add(f"{problem}: {raw[:SAMPLE_CHARS]}", "", "", "", at, reason, shown)
 
     def flush(self) -> pa.Table | None:
         if not self.cols["src"]:
@@ -122,14 +126,15 @@ def delimited_parser(sep: str, src_lang: str, tgt_lang: str) -> LineParser:
     return parse
 
 
-def read_line_tables(path: str, source_index: int, parse: LineParser, name: FileName) -> Iterator[pa.Table]:
+def read_line_tables(path: str, source_index: int, parse: LineParser, name: FileName,
+                     encoding: str = "utf-8") -> Iterator[pa.Table]:
     """Stream one line-based file as blocks of pairs; unparseable lines become counted drop rows.
     Blank lines (e.g. a trailing one) are not data and are skipped."""
     blocks = _Blocks(source_index, name)
-    for lineno, line, ok in decoded_lines(path):
+    for lineno, line, ok in decoded_lines(path, encoding):
         if not line.strip():
             continue
-        fields = parse(line) if ok else "not valid UTF-8"
+        fields = parse(line) if ok else invalid_text(encoding)
         if isinstance(fields, str):
             out = blocks.bad(lineno, "malformed" if ok else "invalid_utf8", fields, line)
         else:
@@ -140,18 +145,19 @@ def read_line_tables(path: str, source_index: int, parse: LineParser, name: File
         yield last
 
 
-def read_csv(path: str, source_index: int, src_lang: str, tgt_lang: str, name: FileName) -> Iterator[pa.Table]:
+def read_csv(path: str, source_index: int, src_lang: str, tgt_lang: str, name: FileName,
+             encoding: str = "utf-8") -> Iterator[pa.Table]:
     """Stream a 2-column CSV (RFC 4180 quoting through the ``csv`` module; a record may span lines).
 
     ``origin`` is the record's first line. A record with another number of fields, or one the ``csv``
-    module rejects (e.g. a stray quote), is ``malformed``; one touching a line that is not valid UTF-8 is
-    ``invalid_utf8``.
+    module rejects (e.g. a stray quote), is ``malformed``; one touching a line that does not decode in
+    ``encoding`` is ``invalid_utf8``.
     """
     blocks = _Blocks(source_index, name)
     state = {"first": 0, "last": 0, "bad_utf8": False, "text": []}
 
     def lines() -> Iterator[str]:
-        for lineno, line, ok in decoded_lines(path):
+        for lineno, line, ok in decoded_lines(path, encoding):
             if not state["first"]:
                 state["first"] = lineno
             state["last"] = lineno
@@ -170,7 +176,7 @@ def read_csv(path: str, source_index: int, src_lang: str, tgt_lang: str, name: F
             record, problem = [], f"CSV error: {e}"
         at, raw = state["first"], "\n".join(state["text"])
         if state["bad_utf8"]:
-            out = blocks.bad(at, "invalid_utf8", "not valid UTF-8", raw)
+            out = blocks.bad(at, "invalid_utf8", invalid_text(encoding), raw)
         elif problem:
             out = blocks.bad(at, "malformed", problem, raw)
         elif not record or not "".join(record).strip():
@@ -185,17 +191,19 @@ def read_csv(path: str, source_index: int, src_lang: str, tgt_lang: str, name: F
 
 
 def read_moses(src_path: str, tgt_path: str, source_index: int, src_lang: str, tgt_lang: str,
-               name: FileName) -> Iterator[pa.Table]:
+               name: FileName, tgt_name: FileName, encoding: str = "utf-8") -> Iterator[pa.Table]:
     """Stream a Moses file pair line by line. Every line is a row (an empty side is dropped later as
-    ``empty``, so the alignment is never shifted); ``origin`` (``name``) names the source-side file."""
+    ``empty``, so the alignment is never shifted); ``origin`` names the source-side file (``name``, also
+    the rows' ids), except for a row whose target side does not decode: that names ``tgt_name``."""
     blocks = _Blocks(source_index, name)
-    src_lines, tgt_lines = decoded_lines(src_path), decoded_lines(tgt_path)
+    src_lines, tgt_lines = decoded_lines(src_path, encoding), decoded_lines(tgt_path, encoding)
     for (lineno, src, ok_src), (_, tgt, ok_tgt) in zip(src_lines, tgt_lines, strict=True):
         if ok_src and ok_tgt:
             out = blocks.add(src, tgt, src_lang, tgt_lang, lineno)
+        elif not ok_src:
+            out = blocks.bad(lineno, "invalid_utf8", invalid_text(encoding), src)
         else:
-            bad = src_path if not ok_src else tgt_path
-            out = blocks.bad(lineno, "invalid_utf8", f"not valid UTF-8 in {bad}", src if not ok_src else tgt)
+            out = blocks.bad(lineno, "invalid_utf8", invalid_text(encoding), tgt, shown=tgt_name)
         if out is not None:
             yield out
     if (last := blocks.flush()) is not None:
@@ -233,15 +241,16 @@ class Columns:
         return value
 
 
-def read_jsonl(path: str, source_index: int, columns: Columns, name: FileName) -> Iterator[pa.Table]:
+def read_jsonl(path: str, source_index: int, columns: Columns, name: FileName,
+               encoding: str = "utf-8") -> Iterator[pa.Table]:
     """Stream a JSON-lines file: one object per line; a line that is not an object with both texts is
     ``malformed`` (its ``src`` says why)."""
     blocks = _Blocks(source_index, name)
-    for lineno, line, ok in decoded_lines(path):
+    for lineno, line, ok in decoded_lines(path, encoding):
         if not line.strip():
             continue
         if not ok:
-            out = blocks.bad(lineno, "invalid_utf8", "not valid UTF-8", line)
+            out = blocks.bad(lineno, "invalid_utf8", invalid_text(encoding), line)
         else:
             try:
                 row = json.loads(line)

@@ -57,15 +57,15 @@ def moses_pairs(source: SourceConfig) -> list[tuple[str, str]]:
     return sorted(pairs)
 
 
-def check_moses_line_counts(pairs: list[tuple[str, str]]) -> None:
-    """Count the lines of every Moses file pair in parallel Ray tasks (a fast pre-pass when the dataset
-    is planned, before any training) and raise :class:`DataSourceError` naming both files and both
-    counts when a pair differs."""
+def check_moses_line_counts(pairs: list[tuple[str, str]], encoding: str = "utf-8") -> None:
+    """Count the lines of every Moses file pair (text in ``encoding``) in parallel Ray tasks (a fast
+    pre-pass when the dataset is planned, before any training) and raise :class:`DataSourceError` naming
+    both files and both counts when a pair differs."""
     import ray
 
     counter = ray.remote(num_cpus=0.5)(count_lines)
     files = [f for pair in pairs for f in pair]
-    counts = dict(zip(files, ray.get([counter.remote(f) for f in files])))
+    counts = dict(zip(files, ray.get([counter.remote(f, encoding) for f in files])))
     bad = [f"{s} has {counts[s]} lines but {t} has {counts[t]}" for s, t in pairs if counts[s] != counts[t]]
     if bad:
         raise DataSourceError("Moses files are not line-aligned: " + "; ".join(bad))
@@ -119,8 +119,9 @@ def plan_source(source: SourceConfig, source_index: int) -> list[ReadUnit]:
     if fmt == "moses":
         src_lang, tgt_lang = _languages(source)
         pairs = moses_pairs(source)
-        check_moses_line_counts(pairs)
-        return [ReadUnit(lambda s=s, t=t: read_moses(s, t, source_index, src_lang, tgt_lang, name(s)), (s, t))
+        check_moses_line_counts(pairs, source.encoding)
+        return [ReadUnit(lambda s=s, t=t: read_moses(s, t, source_index, src_lang, tgt_lang, name(s), name(t),
+                                                     source.encoding), (s, t))
                 for s, t in pairs]
     if fmt in ("hf_disk", "hf_hub"):
         files = hf_arrow_files(source)
@@ -133,16 +134,20 @@ def plan_source(source: SourceConfig, source_index: int) -> list[ReadUnit]:
                      "rows in other languages are dropped as other_languages", source_index, source.path,
                      direction_text(source.src_lang, source.tgt_lang), direction_text(source.tgt_lang, source.src_lang))
         parse = tatoeba_parser(source.src_lang, source.tgt_lang)
-        return [ReadUnit(lambda p=p: read_line_tables(p, source_index, parse, name(p)), (p,)) for p in files]
+        return [ReadUnit(lambda p=p: read_line_tables(p, source_index, parse, name(p), source.encoding), (p,))
+                for p in files]
     src_lang, tgt_lang = _languages(source)
     if fmt == "tsv":
         parse = delimited_parser("\t", src_lang, tgt_lang)
-        return [ReadUnit(lambda p=p: read_line_tables(p, source_index, parse, name(p)), (p,)) for p in files]
+        return [ReadUnit(lambda p=p: read_line_tables(p, source_index, parse, name(p), source.encoding), (p,))
+                for p in files]
     if fmt == "csv":
-        return [ReadUnit(lambda p=p: read_csv(p, source_index, src_lang, tgt_lang, name(p)), (p,)) for p in files]
+        return [ReadUnit(lambda p=p: read_csv(p, source_index, src_lang, tgt_lang, name(p), source.encoding), (p,))
+                for p in files]
     columns = Columns(source.src_column, source.tgt_column, src_lang, tgt_lang)
     if fmt == "jsonl":
-        return [ReadUnit(lambda p=p: read_jsonl(p, source_index, columns, name(p)), (p,)) for p in files]
+        return [ReadUnit(lambda p=p: read_jsonl(p, source_index, columns, name(p), source.encoding), (p,))
+                for p in files]
     if fmt == "parquet":
         return [ReadUnit(lambda p=p: read_batches(parquet_batches(p, columns), source_index, columns, name(p)), (p,))
                 for p in files]

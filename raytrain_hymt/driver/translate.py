@@ -41,7 +41,7 @@ def resolve_model(model: str, storage_root: str, scratch: str) -> str:
     Raises ConfigError when ``model`` looks like a path (or names a run) that holds no model.
     """
     from raytrain_hymt.train.export import export_checkpoint
-    from raytrain_hymt.console.quiet import no_bars, quiet_deepspeed
+    from raytrain_hymt.console.quiet import no_bars
     from raytrain_hymt.storage import RunFolder, is_uri
     from raytrain_hymt.storage import SUMMARY_FILE
 
@@ -53,7 +53,6 @@ def resolve_model(model: str, storage_root: str, scratch: str) -> str:
             return str(path.resolve())
         if _checkpoint_state(path):
             log.info("exporting checkpoint %s to a temporary folder first", path)
-            quiet_deepspeed()  # before the export imports DeepSpeed
             with no_bars():  # DeepSpeed's shard-loading bar would land between the translations
                 return export_checkpoint(path, str(Path(scratch) / "model"), max_shard_bytes=5 * 10**9)
         raise ConfigError(f"model {model}: the folder holds neither an exported model (config.json) "
@@ -75,11 +74,27 @@ def resolve_model(model: str, storage_root: str, scratch: str) -> str:
     return model
 
 
-def read_input(sentences: list[str], input_path: str | None, stdin) -> list[str]:
-    """The sentences to translate: the arguments, else the lines of ``input_path`` (``-``: stdin), else
-    stdin when it is not a terminal. ConfigError when there is nothing to translate."""
-    from raytrain_hymt.evaluation.scoring import read_sentences
+def _decoded(data: bytes, encoding: str, where: str, src: str) -> str:
+    """The text of input bytes in ``encoding`` (a UTF-8 or UTF-16 byte order mark skipped); ConfigError
+    naming the line that does not decode and the encoding it reads as (for text in ``src``)."""
+    from raytrain_hymt.data.files import decode_problem, language_codes, reading_codec
 
+    problem = decode_problem(data, encoding, language_codes([src]), complete=True)
+    if problem is not None:
+        raise ConfigError(problem.describe(where, "add --encoding {}"))
+    return data.decode(reading_codec(encoding)).removeprefix("\ufeff")
+
+
+def read_input(sentences: list[str], input_path: str | None, stdin, encoding: str = "utf-8",
+               src: str = "") -> list[str]:
+    """The sentences to translate: the arguments, else the lines of ``input_path`` (``-``: stdin), else
+    stdin when it is not a terminal; a file and piped bytes are text in ``encoding`` (in ``src``, the
+    language the hint of a decoding error looks for). ConfigError when there is nothing to translate or
+    the input does not decode. Only ``\n`` (or ``\r\n``) ends a line, as in evaluation's test sets."""
+    from raytrain_hymt.config.schema import text_encoding_problem
+
+    if (problem := text_encoding_problem(encoding)) is not None:
+        raise ConfigError(f"--encoding: {problem}")
     if sentences and input_path:
         raise ConfigError("give sentences as arguments or --input FILE, not both")
     if sentences:
@@ -87,13 +102,17 @@ def read_input(sentences: list[str], input_path: str | None, stdin) -> list[str]
     elif input_path and input_path != "-":
         if not Path(input_path).is_file():
             raise ConfigError(f"--input {input_path}: no such file")
-        lines = read_sentences(Path(input_path))
+        lines = _decoded(Path(input_path).read_bytes(), encoding, f"--input {input_path}", src).split("\n")
     elif input_path == "-" or not stdin.isatty():
-        lines = [line.rstrip("\r") for line in stdin.read().split("\n")]
-        if lines and lines[-1] == "":
-            lines.pop()
+        # Piped bytes, where there are any (a test's stdin may be text already).
+        raw = getattr(stdin, "buffer", None)
+        lines = (_decoded(raw.read(), encoding, "stdin", src) if raw is not None else stdin.read()).split("\n")
     else:
         raise ConfigError("nothing to translate: give sentences as arguments, --input FILE, or pipe lines to stdin")
+    if not sentences:
+        if lines and lines[-1] == "":
+            lines.pop()
+        lines = [line.removesuffix("\r") for line in lines]
     if not any(line.strip() for line in lines):
         where = "the arguments" if sentences else (f"--input {input_path}" if input_path not in (None, "-") else "stdin")
         raise ConfigError(f"nothing to translate: {where} holds no non-empty line")
