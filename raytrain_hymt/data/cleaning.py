@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from raytrain_hymt.config.schema import DataConfig
+from raytrain_hymt.data.language_id import wrong_language
 from raytrain_hymt.languages import UnsupportedLanguageError, is_supported, resolve
 
 DROP_REASONS = (
@@ -27,6 +28,7 @@ DROP_REASONS = (
     "too_long",
     "length_ratio",
     "identical",
+    "wrong_language",  # a side identified as another language than its label (data.language_id)
     "duplicate",  # exact duplicate of an earlier pair (pair_key)
     "too_many_tokens",  # tokenizer: prompt + answer longer than the example budget
     "subsampled",  # pipeline: left out by a source weight below 1 (not a quality problem)
@@ -75,6 +77,7 @@ class CleaningRules:
     ("Go." / "走吧。") vary too much in length to judge."""
     drop_identical: bool = _DATA_DEFAULTS["drop_identical"]
     on_unsupported_language: Literal["drop", "error"] = _DATA_DEFAULTS["on_unsupported_language"]
+    language_id: bool = _DATA_DEFAULTS["language_id"]
 
     def __post_init__(self):
         if self.min_chars < 0 or self.max_chars < max(self.min_chars, 1):
@@ -127,8 +130,8 @@ def clean_batch(batch: Mapping[str, Sequence], rules: CleaningRules) -> dict[str
     Needs columns ``src``, ``tgt``, ``src_lang``, ``tgt_lang``; any others pass through unchanged.
     Returns every row, with texts normalised, supported languages replaced by canonical codes
     (unsupported labels kept as given) and ``drop_reason`` set to "" or the first of
-    ``unsupported_language``, ``empty``, ``too_short``, ``too_long``, ``length_ratio``, ``identical``
-    that applies. A row arriving with a non-empty ``drop_reason`` (e.g. ``malformed``) keeps it.
+    ``unsupported_language``, ``empty``, ``too_short``, ``too_long``, ``length_ratio``, ``identical``,
+    ``wrong_language`` that applies. A row arriving with a non-empty ``drop_reason`` (e.g. ``malformed``) keeps it.
     With ``rules.on_unsupported_language == "error"``, raises :class:`UnsupportedLanguageError`
     naming the row's ``origin`` when the batch has that column.
     """
@@ -158,7 +161,10 @@ def clean_batch(batch: Mapping[str, Sequence], rules: CleaningRules) -> dict[str
                 reason = "unsupported_language"
         src_langs.append(codes[0])
         tgt_langs.append(codes[1])
-        reasons.append(reason or _length_reason(srcs[i], tgts[i], rules))
+        reason = reason or _length_reason(srcs[i], tgts[i], rules)
+        if not reason and rules.language_id and wrong_language(srcs[i], tgts[i], codes[0], codes[1]):
+            reason = "wrong_language"
+        reasons.append(reason)
 
     out = dict(batch)
     out.update(src=srcs, tgt=tgts, src_lang=src_langs, tgt_lang=tgt_langs, drop_reason=reasons)

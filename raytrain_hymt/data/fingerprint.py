@@ -34,7 +34,7 @@ SOURCE_FIELDS = ("format", "src_lang", "tgt_lang", "src_column", "tgt_column", "
 #: ``data.*`` settings that shape the prepared rows (cleaning, split, prompts, packing, sort).
 ROW_SETTINGS = ("min_chars", "max_chars", "max_length_ratio", "drop_identical", "dedup", "on_unsupported_language",
                 "val_fraction", "max_val_examples", "both_directions", "max_example_tokens", "packing", "pack_tokens",
-                "sort_partitions")
+                "sort_partitions", "language_id")
 #: Hex digits of each file's content hash (blake2b) kept in the fingerprint.
 HASH_CHARS = 32
 

@@ -93,6 +93,7 @@ def cleaning_rules(data: DataConfig) -> CleaningRules:
         max_length_ratio=data.max_length_ratio,
         drop_identical=data.drop_identical,
         on_unsupported_language=data.on_unsupported_language,
+        language_id=data.language_id,
     )
 
 

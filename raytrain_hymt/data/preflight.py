@@ -3,16 +3,15 @@
 Every problem found becomes one line naming the field, the file, the value and, for a language code,
 the nearest valid one; all of them are raised together as one :class:`~raytrain_hymt.errors.ConfigError`,
 so nothing (no Ray session, run folder or MLflow run) exists yet when a typo is reported. Only cheap
-checks: files exist and open, their first few KB decode in the source's encoding (else the one they
-read as is named), the first lines fit the format, Moses partners have as many lines.
+checks: files exist and open, the first lines fit the format, Moses partners have as many lines.
 Object-store URIs and hub ids are left to the readers (no credentials or network here).
 """
 
 from __future__ import annotations
 
+import csv
 import json
 import os
-from contextlib import closing
 from pathlib import Path
 
 from raytrain_hymt.config.schema import Config, DataConfig
@@ -20,8 +19,8 @@ from raytrain_hymt.config.schema import SourceConfig
 from raytrain_hymt.errors import ConfigError
 from raytrain_hymt.data.sources import moses_pairs
 from raytrain_hymt.errors import DataSourceError
-from raytrain_hymt.data.files import (count_lines, decode_problem, decoded_lines, expand_paths, language_codes,
-                                      open_binary, read_head)
+from raytrain_hymt.data.files import count_lines, expand_paths, open_binary
+from raytrain_hymt.data.language_id import sample_problem
 from raytrain_hymt.languages import LANGUAGES, direction_text, is_supported, orientation, resolve
 from raytrain_hymt.storage import is_uri
 
@@ -29,6 +28,8 @@ from raytrain_hymt.storage import is_uri
 PEEK_LINES = 5
 #: Rows of a Tatoeba file looked at for one in the direction its source's src_lang/tgt_lang select.
 PEEK_ROWS = 500
+#: Pairs of each file whose languages are identified, to catch swapped columns or a side in another language.
+IDENTIFY_LINES = 200
 #: Files of a glob peeked at (a corpus of thousands of shards has one format; opening each costs a round trip).
 PEEK_FILES = 50
 
@@ -92,11 +93,12 @@ def language_problem(field: str, label: str, where: str) -> str | None:
     return f"{field}: {label!r} is not a Hunyuan-MT language ({where}); {hint}"
 
 
-def _peek(path: str, n: int = PEEK_LINES, encoding: str = "utf-8") -> list[str]:
+def _peek(path: str, n: int = PEEK_LINES) -> list[str]:
     """The first ``n`` non-blank lines of a text file, decoded leniently, BOM and line ends stripped."""
     lines: list[str] = []
-    with closing(decoded_lines(path, encoding)) as decoded:
-        for _, line, _ in decoded:
+    with open_binary(path) as f:
+        for raw in f:
+            line = raw.decode("utf-8", errors="replace").rstrip("\r\n").lstrip("\ufeff")
             if line.strip():
                 lines.append(line)
             if len(lines) >= n:
@@ -104,39 +106,27 @@ def _peek(path: str, n: int = PEEK_LINES, encoding: str = "utf-8") -> list[str]:
     return lines
 
 
-def _encoding_problem(source: SourceConfig, path: str, languages: tuple[str, ...] | None = None) -> str | None:
-    """Why the first few KB of a text file do not decode in ``source.encoding``, and the encoding they read as
-    (guessed for the text of ``languages``: by default the source's, or a Tatoeba file's first labels)."""
-    if source.format not in ("tatoeba", "tsv", "csv", "jsonl", "moses"):
-        return None
-    head, complete = read_head(path)
-    if languages is None:
-        labels = [source.src_lang, source.tgt_lang]
-        if source.format == "tatoeba":
-            rows = (line.split(b"\t") for line in head.split(b"\n")[:PEEK_ROWS])
-            labels += [col.decode("ascii", errors="replace") for cols in rows if len(cols) == 4 for col in cols[:2]]
-        languages = language_codes(labels)
-    problem = decode_problem(head, source.encoding, languages, complete)
-    return None if problem is None else problem.describe(path, "set encoding: {}")
-
-
 def _format_problem(source: SourceConfig, path: str) -> str | None:
     """Why the first lines of ``path`` cannot be ``source.format``, with the format they look like."""
     fmt = source.format
     if fmt == "parquet":
+        if _is_parquet(path):
+            return None
         with open_binary(path) as f:
             head = f.read(4)
-        return None if head == b"PAR1" else f"it does not start like a Parquet file (first bytes {head!r})"
+        return f"it does not start like a Parquet file (first bytes {head!r}){looks_like(_peek(path), path)}"
     if fmt not in ("tatoeba", "tsv", "jsonl", "csv"):
         return None
-    lines = _peek(path, encoding=source.encoding)
+    if _is_parquet(path):
+        return "it is a Parquet file, not lines of text (format 'parquet' reads it)"
+    lines = _peek(path)
     if not lines:
         return None  # empty: said by the caller, about the path
     if fmt == "jsonl":
         try:
             row = json.loads(lines[0])
         except ValueError:
-            return f"line 1 is not JSON: {lines[0][:60]!r}"
+            return f"line 1 is not JSON: {lines[0][:60]!r}{looks_like(lines, path)}"
         if not isinstance(row, dict):
             return f"line 1 is a JSON {type(row).__name__}, not an object"
         absent = [c for c in dict.fromkeys((source.src_column, source.tgt_column)) if c not in row]
@@ -144,22 +134,74 @@ def _format_problem(source: SourceConfig, path: str) -> str | None:
             return (f"line 1 has no field {', '.join(map(repr, absent))} (fields: {', '.join(row)}); "
                     "set src_column/tgt_column")
         return None
+    looks = looks_like(lines, path)
+    if _json_object(lines[0]):
+        separator = "comma" if fmt == "csv" else "tab"
+        return f"line 1 is a JSON object, format {fmt!r} reads {separator}-separated columns{looks}"
     tabs = [line.count("\t") + 1 for line in lines]
-    want = 4 if fmt == "tatoeba" else 2
-    if fmt == "csv" or any(t == want for t in tabs):
-        return None
-    looks = {4: " (format 'tatoeba' reads 4 columns: src_lang, tgt_lang, src, tgt)",
-             2: " (format 'tsv' reads 2 columns: src, tgt)"}.get(tabs[0], "")
-    if tabs[0] == 1 and "," in lines[0]:
-        looks = " (comma-separated: format 'csv')"
     lines_have = "line 1 has" if len(lines) == 1 else f"its first {len(lines)} lines have"
+    if fmt == "csv":  # lines that all split into 2 or 4 at tabs are a TSV file; lines without a comma no CSV
+        if tabs[0] in (2, 4) and len(set(tabs)) == 1:
+            return f"{lines_have} {tabs[0]} tab-separated columns, format 'csv' reads comma-separated ones{looks}"
+        if not any("," in line for line in lines):
+            return f"{lines_have} no comma, format 'csv' reads 2 comma-separated columns{looks}"
+        return None
+    want = 4 if fmt == "tatoeba" else 2
+    if any(t == want for t in tabs):
+        return None
     return f"{lines_have} {tabs[0]} tab-separated columns, format {fmt!r} needs {want}{looks}"
+
+
+def _is_parquet(path: str) -> bool:
+    with open_binary(path) as f:
+        return f.read(4) == b"PAR1"
+
+
+def _json_object(line: str) -> bool:
+    """Whether ``line`` is one JSON object (a line of a JSON lines file)."""
+    if not line.lstrip().startswith("{"):
+        return False
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False
+
+
+def looks_like(lines: list[str], path: str) -> str:
+    """`` (<the format these first lines of ``path`` look like>)``, said in a wrong-format message, or ""."""
+    if _is_parquet(path):
+        return " (a Parquet file: format 'parquet')"
+    if not lines:
+        return ""
+    if _json_object(lines[0]):
+        return " (JSON lines: format 'jsonl')"
+    columns = lines[0].count("\t") + 1
+    if columns == 4:
+        return " (format 'tatoeba' reads 4 columns: src_lang, tgt_lang, src, tgt)"
+    if columns == 2:
+        return " (format 'tsv' reads 2 columns: src, tgt)"
+    if columns == 1 and "," in lines[0]:
+        return " (comma-separated: format 'csv')"
+    stem, _, suffix = path.removesuffix(".gz").rpartition(".")
+    if columns == 1 and stem and "/" not in suffix and is_supported(suffix):
+        return f" (one sentence a line, like a Moses file: format 'moses' with path '{stem}' reads {stem}.<src_lang> " \
+               f"and {stem}.<tgt_lang>)"
+    return ""
+
+
+def _folder_problem(source: SourceConfig) -> str | None:
+    """What to say when a file source's path is a folder: the glob that reads its files."""
+    if is_uri(source.path) or not Path(source.path).expanduser().is_dir():
+        return None
+    suffix = {"tatoeba": "tsv", "tsv": "tsv", "csv": "csv", "jsonl": "jsonl", "parquet": "parquet"}.get(source.format, "*")
+    return (f"data source {source.path!r} is a folder, not a file; to read the files in it give a glob, "
+            f"e.g. '{source.path.rstrip('/')}/*.{suffix}'")
 
 
 def _direction_problem(source: SourceConfig, path: str) -> str | None:
     """Why ``src_lang``/``tgt_lang`` contradict the rows of a Tatoeba file: none of its first rows is in
     the direction they select, either way round (rows in other languages are dropped, not refused)."""
-    rows = [cols for cols in (line.split("\t") for line in _peek(path, PEEK_ROWS, source.encoding)) if len(cols) == 4]
+    rows = [cols for cols in (line.split("\t") for line in _peek(path, PEEK_ROWS)) if len(cols) == 4]
     labels = [(c[0] or source.src_lang or "", c[1] or source.tgt_lang or "") for c in rows]
     if not labels or any(orientation(s, t, source.src_lang, source.tgt_lang) for s, t in labels):
         return None
@@ -170,7 +212,43 @@ def _direction_problem(source: SourceConfig, path: str) -> str | None:
             f"{back} (the rows carry their languages: set src_lang/tgt_lang to the rows' own, or leave them unset)")
 
 
-def _source_problems(i: int, source: SourceConfig) -> list[str]:
+def _sample_pairs(source: SourceConfig, path: str) -> list[tuple[str, str]]:
+    """The first :data:`IDENTIFY_LINES` pairs of a tsv/csv/jsonl file (flat text columns), as read."""
+    lines = _peek(path, IDENTIFY_LINES)
+    if source.format == "tsv":
+        rows = [line.split("\t") for line in lines]
+    elif source.format == "csv":
+        rows = list(csv.reader(lines))
+    else:
+        rows = []
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict):
+                rows.append([record.get(source.src_column), record.get(source.tgt_column)])
+    return [(s, t) for s, t in (r for r in rows if len(r) == 2) if isinstance(s, str) and isinstance(t, str)]
+
+
+def _moses_sample(src_file: str, tgt_file: str) -> list[tuple[str, str]]:
+    """The first :data:`IDENTIFY_LINES` line pairs of a Moses pair (blank lines kept: they align)."""
+    def head(path: str) -> list[str]:
+        with open_binary(path) as f:
+            return [raw.decode("utf-8", errors="replace").rstrip("\r\n") for raw, _ in zip(f, range(IDENTIFY_LINES))]
+
+    return list(zip(head(src_file), head(tgt_file)))
+
+
+def _identity_problem(source: SourceConfig, pairs: list[tuple[str, str]], path: str) -> str | None:
+    """One line when the identified languages of a file's first pairs contradict src_lang/tgt_lang."""
+    if not (source.src_lang and source.tgt_lang):
+        return None
+    problem = sample_problem(pairs, resolve(source.src_lang).code, resolve(source.tgt_lang).code)
+    return None if problem is None else f"{path} {problem}"
+
+
+def _source_problems(i: int, source: SourceConfig, identify: bool = True) -> list[str]:
     field = f"data.sources[{i}]"
     where = f"source {source.path!r}"
     problems = []
@@ -198,42 +276,43 @@ def _source_problems(i: int, source: SourceConfig) -> list[str]:
         try:
             pairs = moses_pairs(source)
         except DataSourceError as e:
+            if not is_uri(source.path) and Path(source.path).expanduser().is_file():
+                # A file where a prefix belongs: the prefix of its pair, or the format its lines look like.
+                return [f"{field}.path: {e}; {source.path} is a file, format 'moses' takes the prefix of a file pair"
+                        f"{looks_like(_peek(source.path), source.path)}"]
             return [f"{field}.path: {e}"]
         for src_file, tgt_file in pairs:
-            sides = ((src_file, source.src_lang), (tgt_file, source.tgt_lang))
-            undecodable = [p for p in (_encoding_problem(source, f, language_codes([lang])) for f, lang in sides) if p]
-            if undecodable:
-                problems += [f"{field}.encoding: {p}" for p in undecodable]
-                continue
-            n_src, n_tgt = count_lines(src_file, source.encoding), count_lines(tgt_file, source.encoding)
+            n_src, n_tgt = count_lines(src_file), count_lines(tgt_file)
             if n_src == n_tgt == 0:
                 problems.append(f"{field}.path: {src_file} and {tgt_file} are empty")
             elif n_src != n_tgt:
                 problems.append(f"{field}.path: Moses files are not line-aligned: {src_file} has {n_src} lines, "
                                 f"{tgt_file} has {n_tgt}")
+            elif identify and (wrong := _identity_problem(source, _moses_sample(src_file, tgt_file), src_file)):
+                problems.append(f"{field}: {wrong}")
         return problems
     try:
         files = expand_paths(source.path)
     except DataSourceError as e:
-        return problems + [f"{field}.path: {e}"]
+        return problems + [f"{field}.path: {_folder_problem(source) or e}"]
     select = source.format == "tatoeba" and (source.src_lang or source.tgt_lang) and not problems
     for path in files[:PEEK_FILES]:
         try:
-            undecodable = _encoding_problem(source, path)
-            empty = source.format != "parquet" and not _peek(path, 1, source.encoding)
+            empty = source.format != "parquet" and not _peek(path, 1)
             wrong = None if empty else _format_problem(source, path)
             contradiction = None if empty or wrong or not select else _direction_problem(source, path)
         except OSError as e:
             problems.append(f"{field}.path: cannot read {path}: {e.strerror or e}")
             continue
-        if undecodable:
-            problems.append(f"{field}.encoding: {undecodable}")
-        elif empty:
+        if empty:
             problems.append(f"{field}.path: {path} is empty (no lines with text)")
         elif wrong:
             problems.append(f"{field}.format: {path}: {wrong}")
         elif contradiction:
             problems.append(f"{field}: {contradiction}")
+        elif identify and source.format in ("tsv", "csv", "jsonl") and not problems and (
+                wrong := _identity_problem(source, _sample_pairs(source, path), path)):
+            problems.append(f"{field}: {wrong}")
     return problems
 
 
@@ -245,7 +324,7 @@ def source_problems(data: DataConfig) -> list[str]:
         return [f"data.prepared_path: {data.prepared_path} is set together with data.sources; a prepared dataset "
                 "trains on the sources it was prepared from (its manifest.json), so data.sources would be "
                 "ignored: unset one of them"] if chosen else []
-    return [p for i, s in enumerate(data.sources) for p in _source_problems(i, s)]
+    return [p for i, s in enumerate(data.sources) for p in _source_problems(i, s, data.language_id)]
 
 
 def looks_local(name_or_path: str) -> bool:
@@ -314,7 +393,7 @@ def trained_directions(data: DataConfig) -> list[str]:
         else:
             try:
                 files = expand_paths(source.path) if source.format == "tatoeba" and not is_uri(source.path) else []
-                cols = [line.split("\t") for path in files[:1] for line in _peek(path, 500, source.encoding)]
+                cols = [line.split("\t") for path in files[:1] for line in _peek(path, 500)]
             except (OSError, DataSourceError):
                 cols = []
             found = [(c[0] or source.src_lang, c[1] or source.tgt_lang) for c in cols if len(c) == 4]

@@ -592,6 +592,19 @@ def test_src_and_tgt_lang_that_contradict_the_rows_stop_in_one_line(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_corpus_with_swapped_columns_stops_before_ray_in_one_line(tmp_path):
+    """FLORES English/Japanese with the Japanese in the src column, labelled en→ja: the identified languages
+    of its first lines say so before any Ray session or output folder exists."""
+    corpus = tmp_path / "corpus.tsv"
+    corpus.write_text("".join(f"{ja}\t{en}\n" for en, ja in flores_pairs("eng_Latn", "jpn_Jpan", 50)), encoding="utf-8")
+    run = hymt(tmp_path, "prepare", str(tmp_path / "out"),
+               "--set", sources({"path": str(corpus), "format": "tsv", "src_lang": "en", "tgt_lang": "ja"}))
+    assert_refused(run, f"data.sources[0]: {corpus} looks swapped: 50 of its first 50 identifiable lines have ja text "
+                        "in the src column and en in the tgt column, but src_lang is en and tgt_lang is ja; swap "
+                        "src_lang/tgt_lang (or the columns)")
+    assert not (tmp_path / "out").exists() and not list((tmp_path / "home").glob("**/session_*"))
+
+
 def test_prepared_data_and_explicit_sources_are_refused_together(tmp_path, corpus):
     prepared = tmp_path / "prepared"
     prepared.mkdir()

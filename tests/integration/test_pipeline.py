@@ -53,6 +53,8 @@ MIXED_TSV = [
     ("just one column", "malformed"),
     (None, "invalid_utf8"),
     (f"eng\tdeu\t{LONG_EN}\t{LONG_DE}", "too_many_tokens"),
+    ("eng\tdeu\tMy grandmother grows tomatoes in her garden.\tMa grand-mère cultive des tomates dans son jardin.",
+     "wrong_language"),  # French labelled German
 ]
 N_JSONL = 20
 

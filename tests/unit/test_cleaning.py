@@ -79,7 +79,7 @@ def test_rules_defaults_and_frozen():
     rules = CleaningRules()
     assert dataclasses.asdict(rules) == {
         "min_chars": 1, "max_chars": 1000, "max_length_ratio": 4.0, "ratio_min_chars": 10,
-        "drop_identical": True, "on_unsupported_language": "drop",
+        "drop_identical": True, "on_unsupported_language": "drop", "language_id": True,
     }  # fmt: skip
     with pytest.raises(dataclasses.FrozenInstanceError):
         rules.max_chars = 5
@@ -249,7 +249,7 @@ def test_split_key_is_roughly_uniform():
 def test_drop_reasons_constant():
     assert DROP_REASONS == (
         "malformed", "invalid_utf8", "other_languages", "unsupported_language", "empty", "too_short", "too_long",
-        "length_ratio", "identical", "duplicate", "too_many_tokens", "subsampled",
+        "length_ratio", "identical", "wrong_language", "duplicate", "too_many_tokens", "subsampled",
     )  # fmt: skip
 
 
