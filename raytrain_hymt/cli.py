@@ -50,9 +50,17 @@ def cmd_prepare(args) -> int:
     from raytrain_hymt.driver.train import prepare_dataset
     from raytrain_hymt.data.preflight import check_inputs
 
+    from raytrain_hymt.data.prepared import PreparedDatasetExists
+    from raytrain_hymt.storage import folder_problem
+
     cfg = _load(args)
     check_inputs(cfg)  # before Ray starts or OUT is created
-    stats = prepare_dataset(cfg, args.out, overwrite=args.overwrite)
+    if problem := folder_problem("OUT", args.out, "the prepared dataset: Parquet files and manifest.json"):
+        raise ConfigError(problem)
+    try:
+        stats = prepare_dataset(cfg, args.out, overwrite=args.overwrite)
+    except PreparedDatasetExists as e:  # raised before Ray starts: a mistake, nothing was created
+        raise ConfigError(str(e)) from None
     print(stats.summary())
     print(f"prepared dataset: {args.out}  (train on it with --set data.prepared_path={args.out})")
     return 0
@@ -202,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=cmd_train)
     prepare = sub.add_parser("prepare", help="preprocess the corpus once into Parquet for reuse")
     _config_args(prepare, name_help="run name (unused by prepare: OUT names the dataset)")
-    prepare.add_argument("out", help="output folder or URI for the prepared dataset")
+    prepare.add_argument("out", metavar="OUT", help="output folder or URI for the prepared dataset")
     prepare.add_argument("--overwrite", action="store_true",
                          help="replace what OUT holds (without it a non-empty OUT is refused)")
     prepare.set_defaults(func=cmd_prepare)

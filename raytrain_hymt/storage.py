@@ -33,6 +33,30 @@ def is_uri(path: str) -> bool:
     return "://" in str(path)
 
 
+def folder_problem(field: str, path: str, holds: str) -> str | None:
+    """One line when the local folder ``path`` (the value of ``field``, which ``holds`` something) cannot be
+    created or written, else None. Checked before anything is created: the nearest part of the path that
+    exists must be a folder in which this user can create one. A URI is checked where it is written (a
+    bucket needs credentials and the network)."""
+    import tempfile
+
+    if is_uri(path):
+        return None
+    target = Path(path).expanduser()
+    existing = target
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        inside = "" if existing == target else f", so {target} cannot be created"
+        return f"{field}: {existing} is a file, not a folder{inside} ({field} is a folder that holds {holds})"
+    try:  # the real test: permissions, read-only mounts and immutable folders all say no here
+        os.rmdir(tempfile.mkdtemp(prefix=".hymt-write-check-", dir=existing))
+    except OSError as e:
+        cannot = "" if existing == target else f"cannot create {target}: "
+        return f"{field}: {cannot}{existing} is not writable ({e.strerror or e})"
+    return None
+
+
 class RunFolder:
     """The folder ``<storage_root>/<name>`` on whatever filesystem ``storage_root`` names."""
 
@@ -48,9 +72,26 @@ class RunFolder:
         else:
             self.fs, self.path = pyarrow.fs.LocalFileSystem(), str(Path(storage_root, name))
             self.local = Path(self.path)
+        self.created = False
+        """Whether :meth:`create` made the folder (it did not exist before)."""
         if create:
-            self.fs.create_dir(self.path, recursive=True)
-            self.local.mkdir(parents=True, exist_ok=True)
+            self.create()
+
+    def create(self) -> None:
+        """Make the folder (and the local staging folder) when it does not exist yet."""
+        import pyarrow.fs
+
+        self.created = self.created or self.fs.get_file_info(self.path).type == pyarrow.fs.FileType.NotFound
+        self.fs.create_dir(self.path, recursive=True)
+        self.local.mkdir(parents=True, exist_ok=True)
+
+    def remove(self) -> None:
+        """Delete the folder, and its local staging copy when storage is remote."""
+        import shutil
+
+        self.fs.delete_dir(self.path)
+        if self.remote:
+            shutil.rmtree(self.local, ignore_errors=True)
 
     @property
     def remote(self) -> bool:

@@ -184,10 +184,11 @@ def check_target(out: str, overwrite: bool) -> None:
     entries = _entries(out)
     if entries and not overwrite:
         names = sorted(e.base_name for e in entries)
-        what = "a prepared dataset" if MANIFEST_FILE in names else f"{len(names)} entries: {', '.join(names[:5])}"
+        what = ("a prepared dataset" if MANIFEST_FILE in names
+                else f"{len(names)} entr{'y' if len(names) == 1 else 'ies'}: {', '.join(names[:5])}")
         raise PreparedDatasetExists(
-            f"hymt prepare: {out} is not empty ({what}); a second dataset is never mixed into it. Pass "
-            "--overwrite to replace it, or prepare into an empty or new folder"
+            f"OUT: {out} is not empty ({what}); a second dataset is never mixed into it: pass --overwrite to "
+            "replace it, or prepare into an empty or new folder"
         )
 
 

@@ -9,6 +9,7 @@ and exits).
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
@@ -16,7 +17,9 @@ from pathlib import Path
 
 from raytrain_hymt.config.schema import Config, to_yaml
 from raytrain_hymt.driver.session import use_driver_env
-from raytrain_hymt.storage import CONFIG_FILE, RUN_FILE, SUMMARY_FILE
+from raytrain_hymt.storage import CONFIG_FILE, METRICS_FILE, RUN_FILE, SUMMARY_FILE, RunFolder
+
+log = logging.getLogger("raytrain_hymt")
 
 
 
@@ -68,6 +71,44 @@ class TrainingSummary:
 def run_name(cfg: Config) -> str:
     """The configured name, or ``<preset>-<timestamp>``."""
     return cfg.run.name or f"{cfg.preset}-{datetime.now():%Y%m%d-%H%M%S}"
+
+
+def create_run_folder(folder: RunFolder, cfg: Config) -> None:
+    """Make the folder of a run that passed every check before training (Ray started, the workers fit)
+    and write its first ``config.yaml``; a re-submission's folder exists and was checked already."""
+    from raytrain_hymt.driver.resume import keep_first_config
+
+    folder.create()
+    if folder.read_text(CONFIG_FILE) is None:
+        keep_first_config(folder, cfg)
+
+
+def trained_a_step(folder: RunFolder) -> bool:
+    """Whether the run in ``folder`` trained at least one step: it has a checkpoint, or a metric of step 1
+    or later (a run can fail between checkpoints; its metrics are kept then too)."""
+    from raytrain_hymt.train.checkpoint import list_checkpoints
+
+    if list_checkpoints(folder.fs, folder.path):
+        return True
+    for line in (folder.read_text(METRICS_FILE) or "").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if record.get("kind") == "metric" and (record.get("step") or 0) >= 1:
+            return True
+    return False
+
+
+def discard_unstarted(folder: RunFolder) -> None:
+    """Remove the run folder this submission created when the run failed before training a step (Ray did
+    not start, the data or the workers failed): its ``config.yaml`` would hold the name to a config that
+    never trained, and a re-submission under that name with the mistake fixed would be refused as a
+    changed config. A folder that existed before, or any trace of a trained step, is kept."""
+    if folder.created and not trained_a_step(folder):
+        log.info("run %s failed before its first step: its folder %s is removed, the name is free again",
+                 folder.uri.rsplit("/", 1)[-1], folder.uri)
+        folder.remove()
 
 
 def start_tracking(cfg: Config, run_dir: Path, parent_run_id: str | None = None, new_measurements: bool = False):

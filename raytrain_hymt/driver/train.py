@@ -28,9 +28,10 @@ from raytrain_hymt.data.pipeline import lazy_datasets
 from raytrain_hymt.data.prepared import check_target, write_prepared
 from raytrain_hymt.data.stats import DataStats
 from raytrain_hymt.driver.runs import TrainingSummary, run_name, start_tracking
+from raytrain_hymt.driver.runs import create_run_folder, discard_unstarted
 from raytrain_hymt.driver.session import init_ray, use_driver_env
 from raytrain_hymt.errors import ConfigError, DataSourceError
-from raytrain_hymt.storage import RUN_FILE, SUMMARY_FILE, RunFolder, is_uri
+from raytrain_hymt.storage import CONFIG_FILE, RUN_FILE, SUMMARY_FILE, RunFolder, folder_problem, is_uri
 
 log = logging.getLogger("raytrain_hymt")
 
@@ -43,8 +44,13 @@ def run_training(cfg: Config, *, datasets=None, callbacks=(), parent_run_id: str
     """
     started = time.time()
     folder, fingerprint = open_run(cfg)
-    start_session(cfg, check_resources=datasets is None)  # a search checked the cluster once for its trials
-    tracker, uri = track_run(cfg, folder, parent_run_id)
+    try:
+        start_session(cfg, check_resources=datasets is None)  # a search checked the cluster once for its trials
+        create_run_folder(folder, cfg)
+        tracker, uri = track_run(cfg, folder, parent_run_id)
+    except BaseException:
+        discard_unstarted(folder)
+        raise
     try:
         train, val, stats = datasets or build_run_datasets(cfg, tracker)
         loop_inputs = {
@@ -62,6 +68,7 @@ def run_training(cfg: Config, *, datasets=None, callbacks=(), parent_run_id: str
         tracker.finish("FINISHED")
     except BaseException as e:
         tracker.finish("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
+        discard_unstarted(folder)
         stop = ctrl_c_before_fit(e, cfg)
         if stop:
             raise stop from None
@@ -71,7 +78,9 @@ def run_training(cfg: Config, *, datasets=None, callbacks=(), parent_run_id: str
 
 
 def open_run(cfg: Config) -> tuple[RunFolder, dict]:
-    """Check everything the driver can before Ray starts, name the run and open its folder.
+    """Check everything the driver can before Ray starts, name the run and find its folder, which a new run
+    gets only once Ray started (:func:`~raytrain_hymt.driver.runs.create_run_folder`): a start that fails
+    leaves no folder that would hold the name to a config that never trained.
 
     A re-submission that would train something else, or a resume on changed data, stops here.
     Returns the folder and the data fingerprint the workers record in every checkpoint.
@@ -81,8 +90,9 @@ def open_run(cfg: Config) -> tuple[RunFolder, dict]:
     use_driver_env(cfg)
     preflight(cfg)
     cfg.run.name = run_name(cfg)
-    folder = RunFolder(cfg.run.storage_path, cfg.run.name)
-    keep_first_config(folder, cfg)
+    folder = RunFolder(cfg.run.storage_path, cfg.run.name, create=False)  # made once Ray started: create_run_folder
+    if folder.read_text(CONFIG_FILE) is not None:
+        keep_first_config(folder, cfg)  # a re-submission, checked against the config it started with
     return folder, check_resume_data(cfg, folder)
 
 
@@ -264,6 +274,8 @@ def preflight(cfg: Config) -> None:
     from raytrain_hymt.data.preflight import check_inputs
 
     check_inputs(cfg)  # typos in paths, formats, language codes: before a run folder or Ray exists
+    if problem := folder_problem("run.storage_root", cfg.run.storage_path, "a folder per run"):
+        raise ConfigError(problem)
     from raytrain_hymt.train.engine import build_ds_config
 
     # A missing or contradicting deepspeed.config_file would otherwise fail on every worker, after the

@@ -238,10 +238,10 @@ def test_prepare_refuses_a_non_empty_folder_and_overwrite_gives_one_run(ray_sess
     capsys.readouterr()
 
     # Another corpus into the same folder: refused, the first dataset untouched.
-    assert _prepare(other, out) == 1
+    assert _prepare(other, out) == 2
     err = capsys.readouterr().err
-    assert f"hymt prepare: {out} is not empty (a prepared dataset); a second dataset is never mixed into it. " \
-           "Pass --overwrite to replace it, or prepare into an empty or new folder" in err
+    assert err == (f"error: OUT: {out} is not empty (a prepared dataset); a second dataset is never mixed into it: "
+                   "pass --overwrite to replace it, or prepare into an empty or new folder\n")
     assert _tree(out) == first
 
     # --overwrite with a source that fails half-way (too many bad lines): nothing prepared is lost.

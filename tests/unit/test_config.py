@@ -40,8 +40,45 @@ def test_invalid_value_names_the_field():
 
 
 def test_unknown_field_names_the_field():
-    with pytest.raises(ConfigError, match=r"optim\.learning_rate: Extra inputs are not permitted"):
+    with pytest.raises(ConfigError) as e:
         load_config(None, ["optim.learning_rate=1e-4"])
+    assert str(e.value) == ("invalid configuration:\n  optim.learning_rate: unknown field (got '1e-4', from --set "
+                            "optim.learning_rate=1e-4); did you mean optim.lr?")
+
+
+@pytest.mark.parametrize("field, hint", [
+    ("optim.lrr", "did you mean optim.lr?"),  # a typo: the nearest field of the section
+    ("optim.seed", "did you mean data.seed or run.seed or tune.seed?"),  # a field of other sections
+    ("lora.r", "did you mean lora.rank?"),  # another tool's name
+    ("data.cutoff_len", "did you mean data.max_example_tokens?"),
+    ("optimizer.lr", "did you mean optim?"),
+    ("optim.foo", "optim has: lr, min_lr_ratio, warmup_steps, schedule, weight_decay, betas, eps, max_grad_norm, "
+                  "micro_batch_size, grad_accum, global_batch_rows, max_steps, epochs"),
+])
+def test_an_unknown_field_gets_the_field_meant(field, hint):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"{field}=1"])
+    assert str(e.value).endswith(f"; {hint}")
+
+
+def test_an_unknown_field_in_a_yaml_file_and_a_list_item_get_hints_too(tmp_path):
+    preset = tmp_path / "mine.yaml"
+    preset.write_text("optim:\n  gradient_accumulation_steps: 4\ndata:\n  sources:\n    - {path: c.tsv, fmt: tsv}\n"
+                      "    - {path:x}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(str(preset))
+    lines = str(e.value).splitlines()
+    assert f"  optim.gradient_accumulation_steps: unknown field (got 4, from {preset}); did you mean optim.grad_accum?" in lines
+    assert f"  data.sources.0.fmt: unknown field (got 'tsv', from {preset}); did you mean data.sources[0].format?" in lines
+    assert (f"  data.sources.1.path:x: unknown field (got None, from {preset}); write 'path: x' with a space after "
+            "the colon (YAML)") in lines
+
+
+def test_every_alias_names_a_real_field():
+    from raytrain_hymt.config.schema import FIELD_ALIASES, Config, flatten
+
+    fields = set(flatten(Config().model_dump(mode="json")))
+    assert {target for target in FIELD_ALIASES.values() if target not in fields} == set()
 
 
 def test_cross_field_rules():
