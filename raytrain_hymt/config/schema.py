@@ -12,6 +12,7 @@ hyperparameter search, the run itself); ``Config`` ties them together and loads 
 
 from __future__ import annotations
 
+import codecs
 import math
 import os
 import re
@@ -60,6 +61,35 @@ class SourceConfig(_Section):
     weight: float = Field(1.0, gt=0)
     """How often each kept pair is used: 1.0 once, 3.0 three times, 0.5 a seeded half (the rest counted
     as ``subsampled``). Applied after cleaning and dedup."""
+    encoding: str = "utf-8"
+    """Text encoding of the files (tatoeba/tsv/csv/moses/jsonl): any codec Python knows, e.g. ``gb18030``,
+    ``shift_jis``, ``euc-kr``, ``big5``, ``utf-16``, ``cp1252``. A byte order mark (UTF-8's, UTF-16's) is
+    skipped. Checked on the first lines of each file before Ray starts, which names the likely encoding
+    when they do not decode. Not for parquet/hf_disk/hf_hub, whose text is UTF-8 by definition."""
+
+    @field_validator("encoding")
+    @classmethod
+    def _known_encoding(cls, value: str) -> str:
+        if (problem := text_encoding_problem(value)) is not None:
+            raise ValueError(problem)
+        return value
+
+    @model_validator(mode="after")
+    def _text_files_only(self) -> SourceConfig:
+        if self.format in ("parquet", "hf_disk", "hf_hub") and codecs.lookup(self.encoding).name != "utf-8":
+            raise ValueError(f"encoding {self.encoding!r} is for text files; format {self.format!r} stores its text "
+                             "as UTF-8, which it is read as: remove encoding")
+        return self
+
+
+def text_encoding_problem(value: str) -> str | None:
+    """Why ``value`` is no text encoding Python knows (``sjis2``; ``base64`` is a codec, not one), else None."""
+    try:
+        "a".encode(value)  # a codec that is no text encoding (base64, zlib, rot13) raises LookupError here too
+    except LookupError:
+        return (f"{value!r} is not a text encoding Python knows (e.g. utf-8, utf-16, gb18030, shift_jis, euc-kr, big5, "
+                "cp1252)")
+    return None
 
 
 class DataConfig(_Section):

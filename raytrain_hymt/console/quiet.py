@@ -9,7 +9,10 @@ What goes, and how:
   instead (``console.progress``);
 * Python loggers other than the project's below WARNING, and Ray's own warnings on the driver;
 * Ray Data's bars, global and per operator (data preparation logs one line per stage instead);
-* DeepSpeed's "Setting accelerator to CPU" warning on a driver without GPUs (it picks the CPU anyway);
+* DeepSpeed's "Setting accelerator to CPU" warning on a driver without GPUs (it picks the CPU anyway), also
+  where ``hymt translate`` loads a checkpoint without Ray (:func:`quiet_deepspeed`);
+* MLflow's INFO lines (its store's set-up), also when mlflow is imported later;
+* Ray Tune's status tables, trial configs and results, header and TensorBoard hint (:func:`quiet_tune`);
 * transformers' shard-loading and shard-writing bars, and DeepSpeed's at export (:func:`no_bars`).
 """
 
@@ -90,10 +93,47 @@ def _quiet_driver() -> None:
     # their internals, not the run (ray.init's logging_level covers Ray's own logger: ray_init_kwargs).
     logging.getLogger("ray.data").setLevel(logging.ERROR)
     logging.getLogger("mlflow").setLevel(logging.WARNING)
-    if "DS_ACCELERATOR" not in os.environ:
-        import torch
+    # mlflow sets its logger's level from this when it is imported, which may come later ("Creating initial
+    # MLflow database tables...").
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
+    quiet_deepspeed()
 
-        from raytrain_hymt.config.schema import deepspeed_accelerator_env
 
-        # What DeepSpeed falls back to, without its warning (``hymt translate`` of a checkpoint loads it here).
-        os.environ.update(deepspeed_accelerator_env(torch.cuda.is_available()))
+def quiet_deepspeed() -> None:
+    """Name DeepSpeed's accelerator for this process before DeepSpeed is first imported: what it falls back to
+    on a machine without a GPU, without its "Setting accelerator to CPU" warning. Unchanged when verbose or
+    when ``DS_ACCELERATOR`` is set. Called on the driver (:func:`quiet_ray`) and by ``hymt translate`` of a
+    checkpoint, which loads it with DeepSpeed in its own process, without Ray."""
+    if verbose() or "DS_ACCELERATOR" in os.environ:
+        return
+    import torch
+
+    from raytrain_hymt.config.schema import deepspeed_accelerator_env
+
+    os.environ.update(deepspeed_accelerator_env(torch.cuda.is_available()))
+
+
+def tune_verbosity() -> int:
+    """``tune.RunConfig(verbose=...)``: 0 unless verbose, then 1 (Tune's default: its status table every 30 s,
+    each trial's start, config and results). ``hymt tune`` logs one line per trial that ends instead."""
+    return 1 if verbose() else 0
+
+
+@contextlib.contextmanager
+def quiet_tune():
+    """Around ``Tuner.fit``: Tune's console off unless verbose. ``verbose=0`` alone leaves Ray 2.60's new
+    output engine printing the experiment's header, its folder and the TensorBoard hint
+    (``ray.tune.experimental.output``, whatever the verbosity); ``RAY_AIR_NEW_OUTPUT=0`` (Tune's switch back
+    to its older reporter, read when ``fit`` starts) makes ``verbose=0`` print nothing."""
+    if verbose():
+        yield
+        return
+    saved = os.environ.get("RAY_AIR_NEW_OUTPUT")
+    os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("RAY_AIR_NEW_OUTPUT", None)
+        else:
+            os.environ["RAY_AIR_NEW_OUTPUT"] = saved

@@ -3,7 +3,8 @@
 Every problem found becomes one line naming the field, the file, the value and, for a language code,
 the nearest valid one; all of them are raised together as one :class:`~raytrain_hymt.errors.ConfigError`,
 so nothing (no Ray session, run folder or MLflow run) exists yet when a typo is reported. Only cheap
-checks: files exist and open, the first lines fit the format, Moses partners have as many lines.
+checks: files exist and open, their first few KB decode in the source's encoding (else the one they
+read as is named), the first lines fit the format, Moses partners have as many lines.
 Object-store URIs and hub ids are left to the readers (no credentials or network here).
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+from contextlib import closing
 from pathlib import Path
 
 from raytrain_hymt.config.schema import Config, DataConfig
@@ -19,7 +21,8 @@ from raytrain_hymt.config.schema import SourceConfig
 from raytrain_hymt.errors import ConfigError
 from raytrain_hymt.data.sources import moses_pairs
 from raytrain_hymt.errors import DataSourceError
-from raytrain_hymt.data.files import count_lines, expand_paths, open_binary
+from raytrain_hymt.data.files import (count_lines, decode_problem, decoded_lines, expand_paths, language_codes,
+                                      open_binary, read_head)
 from raytrain_hymt.data.language_id import sample_problem
 from raytrain_hymt.languages import LANGUAGES, direction_text, is_supported, orientation, resolve
 from raytrain_hymt.storage import is_uri
@@ -93,17 +96,32 @@ def language_problem(field: str, label: str, where: str) -> str | None:
     return f"{field}: {label!r} is not a Hunyuan-MT language ({where}); {hint}"
 
 
-def _peek(path: str, n: int = PEEK_LINES) -> list[str]:
+def _peek(path: str, n: int = PEEK_LINES, encoding: str = "utf-8") -> list[str]:
     """The first ``n`` non-blank lines of a text file, decoded leniently, BOM and line ends stripped."""
     lines: list[str] = []
-    with open_binary(path) as f:
-        for raw in f:
-            line = raw.decode("utf-8", errors="replace").rstrip("\r\n").lstrip("\ufeff")
+    with closing(decoded_lines(path, encoding)) as decoded:
+        for _, line, _ in decoded:
             if line.strip():
                 lines.append(line)
             if len(lines) >= n:
                 break
     return lines
+
+
+def _encoding_problem(source: SourceConfig, path: str, languages: tuple[str, ...] | None = None) -> str | None:
+    """Why the first few KB of a text file do not decode in ``source.encoding``, and the encoding they read as
+    (guessed for the text of ``languages``: by default the source's, or a Tatoeba file's first labels)."""
+    if source.format not in ("tatoeba", "tsv", "csv", "jsonl", "moses"):
+        return None
+    head, complete = read_head(path)
+    if languages is None:
+        labels = [source.src_lang, source.tgt_lang]
+        if source.format == "tatoeba":
+            rows = (line.split(b"\t") for line in head.split(b"\n")[:PEEK_ROWS])
+            labels += [col.decode("ascii", errors="replace") for cols in rows if len(cols) == 4 for col in cols[:2]]
+        languages = language_codes(labels)
+    problem = decode_problem(head, source.encoding, languages, complete)
+    return None if problem is None else problem.describe(path, "set encoding: {}")
 
 
 def _format_problem(source: SourceConfig, path: str) -> str | None:
@@ -119,7 +137,7 @@ def _format_problem(source: SourceConfig, path: str) -> str | None:
         return None
     if _is_parquet(path):
         return "it is a Parquet file, not lines of text (format 'parquet' reads it)"
-    lines = _peek(path)
+    lines = _peek(path, encoding=source.encoding)
     if not lines:
         return None  # empty: said by the caller, about the path
     if fmt == "jsonl":
@@ -201,7 +219,7 @@ def _folder_problem(source: SourceConfig) -> str | None:
 def _direction_problem(source: SourceConfig, path: str) -> str | None:
     """Why ``src_lang``/``tgt_lang`` contradict the rows of a Tatoeba file: none of its first rows is in
     the direction they select, either way round (rows in other languages are dropped, not refused)."""
-    rows = [cols for cols in (line.split("\t") for line in _peek(path, PEEK_ROWS)) if len(cols) == 4]
+    rows = [cols for cols in (line.split("\t") for line in _peek(path, PEEK_ROWS, source.encoding)) if len(cols) == 4]
     labels = [(c[0] or source.src_lang or "", c[1] or source.tgt_lang or "") for c in rows]
     if not labels or any(orientation(s, t, source.src_lang, source.tgt_lang) for s, t in labels):
         return None
@@ -282,7 +300,12 @@ def _source_problems(i: int, source: SourceConfig, identify: bool = True) -> lis
                         f"{looks_like(_peek(source.path), source.path)}"]
             return [f"{field}.path: {e}"]
         for src_file, tgt_file in pairs:
-            n_src, n_tgt = count_lines(src_file), count_lines(tgt_file)
+            sides = ((src_file, source.src_lang), (tgt_file, source.tgt_lang))
+            undecodable = [p for p in (_encoding_problem(source, f, language_codes([lang])) for f, lang in sides) if p]
+            if undecodable:
+                problems += [f"{field}.encoding: {p}" for p in undecodable]
+                continue
+            n_src, n_tgt = count_lines(src_file, source.encoding), count_lines(tgt_file, source.encoding)
             if n_src == n_tgt == 0:
                 problems.append(f"{field}.path: {src_file} and {tgt_file} are empty")
             elif n_src != n_tgt:
@@ -298,13 +321,16 @@ def _source_problems(i: int, source: SourceConfig, identify: bool = True) -> lis
     select = source.format == "tatoeba" and (source.src_lang or source.tgt_lang) and not problems
     for path in files[:PEEK_FILES]:
         try:
-            empty = source.format != "parquet" and not _peek(path, 1)
+            undecodable = _encoding_problem(source, path)
+            empty = source.format != "parquet" and not _peek(path, 1, source.encoding)
             wrong = None if empty else _format_problem(source, path)
             contradiction = None if empty or wrong or not select else _direction_problem(source, path)
         except OSError as e:
             problems.append(f"{field}.path: cannot read {path}: {e.strerror or e}")
             continue
-        if empty:
+        if undecodable:
+            problems.append(f"{field}.encoding: {undecodable}")
+        elif empty:
             problems.append(f"{field}.path: {path} is empty (no lines with text)")
         elif wrong:
             problems.append(f"{field}.format: {path}: {wrong}")
@@ -393,7 +419,7 @@ def trained_directions(data: DataConfig) -> list[str]:
         else:
             try:
                 files = expand_paths(source.path) if source.format == "tatoeba" and not is_uri(source.path) else []
-                cols = [line.split("\t") for path in files[:1] for line in _peek(path, 500)]
+                cols = [line.split("\t") for path in files[:1] for line in _peek(path, 500, source.encoding)]
             except (OSError, DataSourceError):
                 cols = []
             found = [(c[0] or source.src_lang, c[1] or source.tgt_lang) for c in cols if len(c) == 4]

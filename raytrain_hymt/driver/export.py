@@ -96,7 +96,7 @@ def check_export(checkpoint: str, state, out: str) -> None:
         try:
             check_export_target(Path(out))
         except FileExistsError as e:
-            raise ConfigError(f"{out}: {e}") from None
+            raise ConfigError(str(e)) from None
     if on_cluster():
         return  # a LoRA base's path is the cluster's, checked by the task where it is
     if state.base_model is not None:

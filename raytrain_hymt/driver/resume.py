@@ -31,7 +31,7 @@ import yaml
 from raytrain_hymt.config.schema import Config, flatten, to_yaml
 from raytrain_hymt.data.fingerprint import check_same_data, data_fingerprint
 from raytrain_hymt.errors import ConfigError, TrainingFailed, disk_full, no_space
-from raytrain_hymt.storage import CHANGES_FILE, CONFIG_FILE, RunFolder
+from raytrain_hymt.storage import CHANGES_FILE, CONFIG_FILE, SUMMARY_FILE, RunFolder
 
 log = logging.getLogger("raytrain_hymt")
 
@@ -119,17 +119,20 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def enforce(diffs: list[Difference], run: str, allow: bool) -> None:
-    """Raise one :class:`ConfigError` when ``diffs`` change the trajectory and ``allow`` is off."""
+def enforce(diffs: list[Difference], run: str, allow: bool, finished: int | None = None) -> None:
+    """Raise one :class:`ConfigError` when ``diffs`` change the trajectory and ``allow`` is off;
+    ``finished``: the run finished after that many steps (the message says how to start from its weights)."""
     blocking = [d for d in diffs if d.trajectory]
     if not blocking or allow:
         return
     lines = "\n".join(f"  {d.field}: {_shown(d.before)} -> {_shown(d.after)}" for d in blocking)
+    other = (f"or start a new run from its weights with another --name and --set model.init_from={run}"
+             if finished is not None else "or start a new run with another --name")
     raise ConfigError(
         f"run {run!r} started with another config; resuming it with this one would change what it trains "
         f"({len(blocking)} field{'s' if len(blocking) > 1 else ''}):\n{lines}\n"
         f"Resume anyway with --set run.allow_config_change=true (the change is recorded in {CHANGES_FILE}), "
-        f"or start a new run with another --name."
+        f"{other}."
     )
 
 
@@ -156,19 +159,71 @@ def current_config(first: dict, changes: str | None) -> dict:
     return current
 
 
+def resubmission_diffs(folder, cfg: Config) -> list[Difference] | None:
+    """How ``cfg`` differs from the config run ``folder`` last ran with; None for a run without a
+    ``config.yaml`` (a new run)."""
+    saved_text = folder.read_text(CONFIG_FILE)
+    if saved_text is None:
+        return None
+    new = yaml.safe_load(to_yaml(cfg))  # the same YAML round trip as the saved one (tuples are lists)
+    return check_resume(current_config(yaml.safe_load(saved_text) or {}, folder.read_text(CHANGES_FILE)), new)
+
+
+def finished_steps(folder) -> int | None:
+    """The steps a finished run trained (its ``summary.json``), or None for a run that has not finished."""
+    text = folder.read_text(SUMMARY_FILE)
+    return int(json.loads(text)["steps"]) if text else None
+
+
+#: The one field a finished run may be submitted again with to train on: ``optim.max_steps``.
+MORE_STEPS = "optim.max_steps"
+
+
+def check_finished(diffs: list[Difference], steps: int, run: str, allow: bool) -> tuple[bool, list[Difference]]:
+    """A run that finished after ``steps`` steps, submitted again with ``diffs``: ``(continues, diffs)``.
+
+    It continues when ``optim.max_steps`` grew past ``steps``: that difference is then no trajectory change
+    (the run trains on from its last checkpoint, as a resume does). A trajectory change is refused as on an
+    unfinished run (:func:`enforce`); with ``allow`` it is accepted only together with more steps, since a
+    finished run has nothing left to train. A smaller or equal ``optim.max_steps`` is one line.
+    """
+    more = next((d for d in diffs if d.field == MORE_STEPS), None)
+    continues = more is not None and isinstance(more.after, int) and more.after > steps
+    if more is not None and isinstance(more.after, int) and not continues:
+        raise ConfigError(f"run {run!r} finished at step {steps}: optim.max_steps={more.after} trains nothing more; "
+                          f"continue it with an optim.max_steps larger than {steps}")
+    if continues:
+        diffs = [Difference(d.field, d.before, d.after, False) if d is more else d for d in diffs]
+    enforce(diffs, run, allow, finished=steps)
+    changed = [d.field for d in diffs if d.trajectory]
+    if changed and not continues:
+        raise ConfigError(f"run {run!r} finished at step {steps}: changing {', '.join(changed)} trains nothing; continue "
+                          f"it with --set optim.max_steps=N (N > {steps}), or start a new run from its weights with "
+                          f"--set model.init_from={run}")
+    return continues, diffs
+
+
 def keep_first_config(folder, cfg: Config, extra: list[Difference] = ()) -> None:
     """Write the run's ``config.yaml`` on its first submission; on a later one, check the new config
     against it (plus ``extra`` differences, e.g. of the data) and record what changed. The first
-    ``config.yaml`` is never replaced."""
-    saved_text = folder.read_text(CONFIG_FILE)
-    if saved_text is None:
+    ``config.yaml`` is never replaced. A finished run goes on only with a larger ``optim.max_steps``
+    (:func:`check_finished`); its ``summary.json`` is removed then, so a continuation that stops before
+    its end is resumed like any unfinished run rather than reported as finished."""
+    diffs = resubmission_diffs(folder, cfg)
+    if diffs is None:
         folder.write_text(CONFIG_FILE, to_yaml(cfg))
         return
-    new = yaml.safe_load(to_yaml(cfg))  # the same YAML round trip as the saved one (tuples are lists)
-    diffs = check_resume(current_config(yaml.safe_load(saved_text) or {}, folder.read_text(CHANGES_FILE)), new)
     diffs += list(extra)
-    enforce(diffs, cfg.run.name, cfg.run.allow_config_change)
+    steps = finished_steps(folder)
+    continues = False
+    if steps is None:
+        enforce(diffs, cfg.run.name, cfg.run.allow_config_change)
+    else:
+        continues, diffs = check_finished(diffs, steps, cfg.run.name, cfg.run.allow_config_change)
     record(folder, diffs, allowed=any(d.trajectory for d in diffs))
+    if continues:
+        folder.fs.delete_file(f"{folder.path}/{SUMMARY_FILE}")
+        log.info("continuing finished run %s from step %d to step %d", cfg.run.name, steps, cfg.optim.max_steps)
 
 
 def newest_checkpoint_state(folder: RunFolder) -> tuple[str, dict] | None:

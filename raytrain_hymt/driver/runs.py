@@ -138,14 +138,99 @@ def start_tracking(cfg: Config, run_dir: Path, parent_run_id: str | None = None,
 
 
 def finished_summary(cfg: Config) -> TrainingSummary | None:
-    """The summary of a run of this name that already finished, or None."""
+    """The summary of a run of this name that already finished, or None (no such run, not finished, or
+    finished and submitted again with a larger ``optim.max_steps``: it continues). Submitted again with a
+    config that would train something else, it stops here with one ``ConfigError``, before Ray starts
+    (``resume.check_finished``)."""
+    from raytrain_hymt.driver.resume import check_finished, resubmission_diffs
     from raytrain_hymt.storage import RunFolder
 
     use_driver_env(cfg)
     if not cfg.run.name:
         return None
-    text = RunFolder(cfg.run.storage_path, cfg.run.name, create=False).read_text(SUMMARY_FILE)
-    return TrainingSummary(**json.loads(text)) if text else None
+    folder = RunFolder(cfg.run.storage_path, cfg.run.name, create=False)
+    text = folder.read_text(SUMMARY_FILE)
+    if not text:
+        return None
+    summary = TrainingSummary(**json.loads(text))
+    resolve_init_from(cfg)  # the saved config holds the resolved checkpoint
+    continues, _ = check_finished(resubmission_diffs(folder, cfg) or [], summary.steps, cfg.run.name,
+                                  cfg.run.allow_config_change)
+    return None if continues else summary
+
+
+def resolve_init_from(cfg: Config) -> None:
+    """Check ``model.init_from`` before Ray starts and replace it with the full location of the checkpoint
+    it names (a run's newest whole one unless it names one), which the run's config and MLflow params keep.
+    A missing run or checkpoint, a cut-off checkpoint, an exported model folder, or a source that trained
+    another model (or LoRA against full weights, another base or adapter shape) is one ``ConfigError``.
+    A location it resolved resolves to itself."""
+    import pyarrow.fs
+    import yaml
+
+    from raytrain_hymt.errors import ConfigError
+    from raytrain_hymt.storage import RunFolder, is_uri
+    from raytrain_hymt.train.checkpoint import (
+        CHECKPOINT_DIR_RE,
+        BaseModelMismatchError,
+        IncompleteCheckpointError,
+        check_base_model,
+        check_checkpoint,
+        newest_whole_checkpoint,
+    )
+
+    value = cfg.model.init_from
+    if not value:
+        return
+    head, _, last = value.rstrip("/").rpartition("/")
+    name = last if head and CHECKPOINT_DIR_RE.match(last) else None
+    run = head if name else value.rstrip("/")
+    if not is_uri(run) and ("/" in run or run.startswith((".", "~"))):
+        run = str(Path(run).expanduser().resolve())
+    # A path or URI names the run folder itself; a bare name is a run under run.storage_root.
+    root, _, run = run.rpartition("/") if "/" in run else (cfg.run.storage_path, "", run)
+    folder = RunFolder(root or "/", run, create=False)
+    fs, path, where = folder.fs, folder.path, folder.uri
+    said = f"model.init_from {value!r}"
+    if fs.get_file_info(path).type != pyarrow.fs.FileType.Directory:
+        under = f" (no run {run!r} under run.storage_root)" if root == cfg.run.storage_path else ""
+        raise ConfigError(f"{said}: no run folder {where}{under}")
+    if fs.get_file_info(f"{path}/config.json").type == pyarrow.fs.FileType.File:
+        raise ConfigError(f"{said}: {where} is an exported model folder, not a run; start from it with "
+                          f"--set model.name_or_path={where} instead")
+    if cfg.run.name and where == f"{cfg.run.storage_path.rstrip('/')}/{cfg.run.name}":
+        raise ConfigError(f"{said} is this run itself; submit it again without model.init_from to resume it")
+    try:
+        if name:
+            state = check_checkpoint(fs, f"{path}/{name}")
+        else:
+            newest = newest_whole_checkpoint(fs, path)
+            if newest is None:
+                raise ConfigError(f"{said}: {where} has no whole checkpoint (no checkpoint_step* folder with every "
+                                  "rank's part)")
+            name, state = newest
+    except IncompleteCheckpointError as e:
+        raise ConfigError(f"{said}: {e}") from None
+    source = yaml.safe_load(folder.read_text(CONFIG_FILE) or "{}") or {}
+    trained = (source.get("model") or {}).get("name_or_path", "tiny")
+    if trained != cfg.model.name_or_path:
+        raise ConfigError(f"{said}: that run trained model.name_or_path {trained!r}, this one is "
+                          f"{cfg.model.name_or_path!r}; its weights fit only that model")
+    if (state.base_model is not None) != cfg.lora.enabled:
+        kinds = ("LoRA adapters", "the full model")
+        then, now = (kinds if state.base_model is not None else kinds[::-1])
+        raise ConfigError(f"{said}: that run trained {then}, this one trains {now} (lora.enabled); start from "
+                          f"its exported model instead: --set model.name_or_path={where}/model")
+    if cfg.lora.enabled:
+        lora = source.get("lora") or {}
+        for field in ("rank", "alpha", "target_modules"):
+            if field in lora and lora[field] != (mine := cfg.lora.model_dump(mode="json")[field]):
+                raise ConfigError(f"{said}: its adapters have lora.{field} {lora[field]!r}, this run {mine!r}")
+        try:
+            check_base_model(state.base_model, said, cfg.model.name_or_path, cfg.run.seed)
+        except BaseModelMismatchError as e:
+            raise ConfigError(str(e)) from None
+    cfg.model.init_from = f"{where}/{name}"
 
 
 def sync_run(cfg: Config, name: str) -> list[str]:

@@ -27,7 +27,7 @@ from raytrain_hymt.data.fingerprint import sources_fingerprint
 from raytrain_hymt.data.pipeline import lazy_datasets
 from raytrain_hymt.data.prepared import check_target, write_prepared
 from raytrain_hymt.data.stats import DataStats
-from raytrain_hymt.driver.runs import TrainingSummary, run_name, start_tracking
+from raytrain_hymt.driver.runs import TrainingSummary, resolve_init_from, run_name, start_tracking
 from raytrain_hymt.driver.runs import create_run_folder, discard_unstarted
 from raytrain_hymt.driver.session import init_ray, use_driver_env
 from raytrain_hymt.errors import ConfigError, DataSourceError
@@ -90,6 +90,7 @@ def open_run(cfg: Config) -> tuple[RunFolder, dict]:
     use_driver_env(cfg)
     preflight(cfg)
     cfg.run.name = run_name(cfg)
+    resolve_init_from(cfg)  # before config.yaml is written: it keeps the checkpoint, not a run's newest
     folder = RunFolder(cfg.run.storage_path, cfg.run.name, create=False)  # made once Ray started: create_run_folder
     if folder.read_text(CONFIG_FILE) is not None:
         keep_first_config(folder, cfg)  # a re-submission, checked against the config it started with

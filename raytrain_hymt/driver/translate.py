@@ -41,7 +41,7 @@ def resolve_model(model: str, storage_root: str, scratch: str) -> str:
     Raises ConfigError when ``model`` looks like a path (or names a run) that holds no model.
     """
     from raytrain_hymt.train.export import export_checkpoint
-    from raytrain_hymt.console.quiet import no_bars
+    from raytrain_hymt.console.quiet import no_bars, quiet_deepspeed
     from raytrain_hymt.storage import RunFolder, is_uri
     from raytrain_hymt.storage import SUMMARY_FILE
 
@@ -53,6 +53,7 @@ def resolve_model(model: str, storage_root: str, scratch: str) -> str:
             return str(path.resolve())
         if _checkpoint_state(path):
             log.info("exporting checkpoint %s to a temporary folder first", path)
+            quiet_deepspeed()  # before the export imports DeepSpeed
             with no_bars():  # DeepSpeed's shard-loading bar would land between the translations
                 return export_checkpoint(path, str(Path(scratch) / "model"), max_shard_bytes=5 * 10**9)
         raise ConfigError(f"model {model}: the folder holds neither an exported model (config.json) "

@@ -341,6 +341,24 @@ def restore_rank(engine, folder: str, rank: int, world: int | None = None, local
     return state
 
 
+def load_weights_only(engine, folder: str, where: str | None = None) -> RunState:
+    """Load only the model weights of the whole checkpoint in local ``folder`` into ``engine`` (a new run
+    that starts from another run's weights, ``model.init_from``); its run state.
+
+    DeepSpeed's module-only load (its documented warm start) reads the weights a checkpoint's module holds
+    (under ZeRO-3 the fp32 partitions, merged) and refreshes the optimizer's fp32 copies from them; the
+    optimizer state, learning-rate schedule and step count stay those of a new engine, and any worker
+    count loads them. A LoRA checkpoint holds only the adapters: they load onto the base the engine has.
+    """
+    state = read_state(folder)
+    load_path, _ = engine.load_checkpoint(folder, tag=state.tag, load_module_strict=state.base_model is None,
+                                          load_optimizer_states=False, load_lr_scheduler_states=False,
+                                          load_module_only=True)
+    if load_path is None:
+        raise IncompleteCheckpointError(f"{where or folder}: DeepSpeed found no checkpoint under tag {state.tag}")
+    return state
+
+
 def next_generation(fs, run_path: str) -> int:
     """1 + the highest checkpoint generation in the run folder ``run_path``: a fallback then never
     recomputes the name of a folder that still exists."""

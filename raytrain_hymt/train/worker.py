@@ -130,6 +130,8 @@ class Worker:
         self.engine, self.ds_config = initialize_engine(
             model, cfg, self.world, self.total_steps, on_gpu=self.device.type == "cuda", load_universal=load_universal
         )
+        if cfg.model.init_from and not self.resumes():  # a resume's own checkpoint holds newer weights
+            self.start_from(cfg.model.init_from)
         if not cfg.model.fused_loss:  # after initialize, which may have moved the weights
             align_frozen_head(self.engine.module)
         # from_pretrained returns a model in eval mode, where transformers skips activation checkpointing
@@ -158,6 +160,24 @@ class Worker:
             rows, pad_token_id=self.tokenizer.pad_token_id, attn_implementation=attn,
             mask_dtype=self.mask_dtype, device=self.device, pad_to=pad_to,
         )
+
+    def resumes(self) -> bool:
+        """Whether Ray Train hands this run a checkpoint of its own to resume from."""
+        import ray.train
+
+        return ray.train.get_checkpoint() is not None
+
+    def start_from(self, checkpoint: str) -> None:
+        """``model.init_from``: load the weights of another run's ``checkpoint`` (a path or URI the driver
+        checked), LoRA adapters onto this run's base; the optimizer, schedule and step count stay new."""
+        import ray.train
+
+        from raytrain_hymt.train.checkpoint import load_weights_only
+
+        with ray.train.Checkpoint(checkpoint).as_directory() as folder:
+            state = load_weights_only(self.engine, folder, where=checkpoint)
+        if self.rank == 0:
+            log.info("starting from the weights of %s (step %d of its run)", checkpoint, state.step)
 
     def resumes_universal(self) -> bool:
         """Whether the checkpoint ``restore`` will try first (the newest whole one) loads only through

@@ -31,7 +31,10 @@ def ray_tmp():
 
 def _env(ray_tmp: str, *first_on_path: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "HYMT_VERBOSE")}
-    env.update(RAY_TMPDIR=ray_tmp, PYTHONUNBUFFERED="1",
+    # A dashboard that finds its port taken once it binds logs the failure but its process stays (its module
+    # subprocesses keep it alive), so ray.init sees the failure only when Ray's dashboard startup timeout
+    # (60 s) runs out; 20 s is still several times the ~3 s a dashboard takes to come up on this machine.
+    env.update(RAY_TMPDIR=ray_tmp, PYTHONUNBUFFERED="1", RAY_DASHBOARD_STARTUP_TIMEOUT_S="20",
                PYTHONPATH=os.pathsep.join([*map(str, first_on_path), str(REPO), os.environ.get("PYTHONPATH", "")]))
     return env
 

@@ -415,6 +415,11 @@ def test_sync_sends_what_metrics_jsonl_holds_once(server_url, tmp_path):
     (run_dir / "metrics.jsonl").write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines))
     storage = ["--set", f"run.storage_root={tmp_path / 'runs'}"]
 
+    missing = _hymt("sync", "nope", *storage)
+    assert (missing.returncode, missing.stderr.strip()) == (2, (
+        f"error: sync: run 'nope' has no metrics.jsonl in {tmp_path / 'runs' / 'nope'} (no such run, or it logged "
+        "nothing)"))
+
     dead = f"http://127.0.0.1:{free_port()}"
     down = _hymt("sync", "offline", *storage, "--set", f"tracking.tracking_uri={dead}")
     assert down.returncode == 2, down.stderr

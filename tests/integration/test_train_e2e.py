@@ -86,8 +86,11 @@ def test_exported_model_loads_with_transformers(finished_run):
 
 
 def test_rerunning_a_finished_run_prints_its_summary(finished_run, capsys):
+    from conftest import tiny_overrides
+
     storage, summary = finished_run
-    status = main(["train", "--name", "e2e", "--set", f"run.storage_root={storage}"])
+    # Its own settings: another trajectory would be refused (tests/integration/test_finished_runs.py).
+    status = main(["train", "--name", "e2e", *[arg for o in tiny_overrides(storage) for arg in ("--set", o)]])
     out = capsys.readouterr().out
     assert status == 0
     assert "run e2e already finished" in out

@@ -139,7 +139,7 @@ def test_export_refuses_a_missing_or_cut_off_checkpoint_in_one_line(capsys, tmp_
                                                      "tag": "step00000004", "zero_stage": 2}))
         (ckpt / "complete").mkdir()
         (ckpt / "complete" / "rank0").write_text(json.dumps({"files": {}}))
-        arg, line = ckpt, f"{out}: {out} exists and is not a model folder; export to a new or empty folder"
+        arg, line = ckpt, f"{out} exists and is not a model folder; export to a new or empty folder"
     assert cli.main(["export", str(arg), str(out)]) == 2
     assert capsys.readouterr().err == f"error: {line}\n"
     assert case == "output holds something else" or not out.exists()
