@@ -321,7 +321,7 @@ def _source_problems(i: int, source: SourceConfig, identify: bool = True) -> lis
     select = source.format == "tatoeba" and (source.src_lang or source.tgt_lang) and not problems
     for path in files[:PEEK_FILES]:
         try:
-            undecodable = _encoding_problem(source, path)
+            undecodable = None if _is_parquet(path) else _encoding_problem(source, path)  # said as a format
             empty = source.format != "parquet" and not _peek(path, 1, source.encoding)
             wrong = None if empty else _format_problem(source, path)
             contradiction = None if empty or wrong or not select else _direction_problem(source, path)
