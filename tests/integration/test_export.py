@@ -7,16 +7,13 @@ refusals before anything starts are tests/unit/test_commands_without_ray.py's.
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import REPO
+from test_mistakes import hymt
 
 pytestmark = pytest.mark.integration
 
@@ -32,22 +29,17 @@ def _tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def test_export_of_a_run_folder_runs_in_process_without_ray(finished_run, tmp_path):
-    """From outside: RAY_ADDRESS unset, HOME, TMPDIR and RAY_TMPDIR in tmp_path, so a Ray the command started
-    would leave its session folder there."""
+    """From outside, as a user runs it: RAY_ADDRESS unset, HOME, TMPDIR and RAY_TMPDIR in tmp_path/home, so a
+    Ray the command started would leave its folder there."""
     from transformers import AutoModelForCausalLM
 
     from raytrain_hymt.train.checkpoint import read_state
     from raytrain_hymt.train.export import _checkpoint_tensors
 
     storage, summary = finished_run
-    home = tmp_path / "home"
-    home.mkdir()
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "HYMT_VERBOSE")}
-    env.update(HOME=str(home), TMPDIR=str(home), RAY_TMPDIR=str(home),
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     out = tmp_path / "model"
-    run = subprocess.run([sys.executable, "-m", "raytrain_hymt.cli", "export", str(storage / "e2e"), str(out)],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    run = hymt(tmp_path, "export", str(storage / "e2e"), str(out))
+    home = tmp_path / "home"
     assert run.returncode == 0, run.stderr[-3000:]
     # The run folder stands for its newest whole checkpoint.
     assert re.fullmatch(rf"exported {re.escape(summary.checkpoint)} to {re.escape(str(out))}  \(AutoModelForCausalLM"
