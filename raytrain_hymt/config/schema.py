@@ -16,6 +16,7 @@ import codecs
 import math
 import os
 import re
+import typing
 from collections.abc import Mapping
 from importlib import resources
 from importlib.resources.abc import Traversable
@@ -182,6 +183,14 @@ class ModelConfig(_Section):
     compile: bool = False
     """``torch.compile`` each decoder layer (regional compilation: one compile serves every layer).
     GPU only; the first steps are slower while it compiles."""
+    init_from: str | None = None
+    """Start a new run from the weights of another run's checkpoint: ``RUN`` (a run name under
+    ``run.storage_root``, or the path or URI of a run folder) takes its newest whole checkpoint,
+    ``RUN/checkpoint_step00000020`` that one. The new run starts at step 0 with a fresh optimizer, schedule and
+    data order; a LoRA run loads the source's adapters onto the same base. The source must have trained the
+    same ``model.name_or_path`` (and, with LoRA, the same base and adapter shape). Resolved to the
+    checkpoint's full location before the run's ``config.yaml`` is written. An exported model folder (a run's
+    ``model/``) is not a checkpoint: give it as ``model.name_or_path`` instead."""
 
 
 class OptimConfig(_Section):
@@ -682,6 +691,89 @@ def preset_path(name_or_file: str) -> Path | Traversable:
                       f"(presets: {', '.join(preset_names())})")
 
 
+#: What other fine-tuning tools (Hugging Face Trainer, DeepSpeed, PEFT, LLaMA-Factory, axolotl) call a setting
+#: of this schema, wherever in the config it is written: ``learning_rate`` means ``optim.lr``.
+FIELD_ALIASES: dict[str, str] = {
+    **dict.fromkeys(("learning_rate", "base_lr", "peak_lr", "max_lr"), "optim.lr"),
+    **dict.fromkeys(("lr_scheduler", "lr_scheduler_type", "scheduler", "lr_schedule", "decay"), "optim.schedule"),
+    **dict.fromkeys(("min_lr", "final_lr"), "optim.min_lr_ratio"),
+    **dict.fromkeys(("warmup_ratio", "warmup", "num_warmup_steps", "warmup_iters"), "optim.warmup_steps"),
+    **dict.fromkeys(("batch_size", "per_device_train_batch_size", "micro_batch", "micro_batch_size_per_gpu",
+                     "train_micro_batch_size_per_gpu"), "optim.micro_batch_size"),
+    **dict.fromkeys(("train_batch_size", "global_batch_size", "total_batch_size"), "optim.global_batch_rows"),
+    **dict.fromkeys(("gradient_accumulation_steps", "grad_accumulation_steps", "gradient_accumulation",
+                     "accumulate_grad_batches"), "optim.grad_accum"),
+    **dict.fromkeys(("num_epochs", "num_train_epochs", "n_epochs", "epoch"), "optim.epochs"),
+    **dict.fromkeys(("num_steps", "train_steps", "total_steps", "max_iters", "num_training_steps"), "optim.max_steps"),
+    **dict.fromkeys(("max_seq_length", "cutoff_len", "max_length", "max_seq_len", "seq_length", "sequence_len",
+                     "model_max_length", "max_source_length", "max_len"), "data.max_example_tokens"),
+    **dict.fromkeys(("adam_beta1", "adam_beta2", "beta1", "beta2"), "optim.betas"),
+    **dict.fromkeys(("adam_epsilon", "adam_eps"), "optim.eps"),
+    **dict.fromkeys(("gradient_clipping", "clip_grad_norm", "grad_clip", "max_norm"), "optim.max_grad_norm"),
+    **dict.fromkeys(("lora_r", "r"), "lora.rank"),
+    "lora_alpha": "lora.alpha", "lora_dropout": "lora.dropout", "lora_target_modules": "lora.target_modules",
+    **dict.fromkeys(("use_lora", "lora", "peft"), "lora.enabled"),
+    **dict.fromkeys(("model_name_or_path", "pretrained_model_name_or_path", "model_name", "model_path", "model_id",
+                     "base_model"), "model.name_or_path"),
+    **dict.fromkeys(("output_dir", "save_dir", "checkpoint_dir", "out_dir"), "run.storage_root"),
+    "run_name": "run.name", "experiment_name": "tracking.experiment",
+    **dict.fromkeys(("save_steps", "save_every", "checkpoint_every"), "checkpoint.every_steps"),
+    **dict.fromkeys(("save_total_limit", "keep_last"), "checkpoint.num_to_keep"),
+    **dict.fromkeys(("eval_steps", "eval_every"), "eval.every_steps"),
+    **dict.fromkeys(("logging_steps", "log_every", "log_steps"), "tracking.log_every_steps"),
+    **dict.fromkeys(("fp16", "bf16", "mixed_precision", "dtype", "torch_dtype"), "deepspeed.precision"),
+    **dict.fromkeys(("zero", "zero_optimization", "stage"), "deepspeed.zero_stage"),
+    "gradient_checkpointing": "deepspeed.activation_checkpointing",
+    **dict.fromkeys(("ds_config", "deepspeed_config"), "deepspeed.config_file"),
+    **dict.fromkeys(("num_gpus", "n_gpus", "world_size", "nproc_per_node"), "scaling.num_workers"),
+    **dict.fromkeys(("mlflow_tracking_uri", "tracking_url"), "tracking.tracking_uri"),
+    **dict.fromkeys(("val_size", "validation_split", "val_split", "eval_split"), "data.val_fraction"),
+    **dict.fromkeys(("dataset", "datasets", "data_files", "train_file"), "data.sources"),
+    **dict.fromkeys(("pack_size", "max_pack_length"), "data.pack_tokens"),
+}
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The config section class in a field's type (``SourceConfig`` in ``list[SourceConfig]``), or None."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return next((m for m in map(_model_in, typing.get_args(annotation)) if m is not None), None)
+
+
+def unknown_field_hint(loc: tuple) -> str:
+    """What to write instead of the unknown field at ``loc`` (pydantic's location of the error): an alias
+    from another tool (:data:`FIELD_ALIASES`), the same name in another section, a near name in the same
+    section (difflib), or else the section's fields."""
+    import difflib
+
+    model: type[BaseModel] | None = Config
+    section = ""
+    for part in loc[:-1]:
+        if isinstance(part, int):  # an item of a list of sections (data.sources)
+            section += f"[{part}]"
+            continue
+        field = model.model_fields.get(str(part)) if model else None
+        model = _model_in(field.annotation) if field else None
+        section = f"{section}.{part}" if section else str(part)
+    key = str(loc[-1])
+    if ":" in key:  # YAML reads "format:tsv" as one key: a mapping needs a space after its colon
+        name, _, value = key.partition(":")
+        return f"write '{name.strip()}: {value.strip()}' with a space after the colon (YAML)"
+    known = list(model.model_fields) if model else []
+    alias = FIELD_ALIASES.get(key.lower().replace("-", "_"))
+    if alias and not section.endswith("]"):
+        return f"did you mean {alias}?"
+    prefix = f"{section}." if section else ""
+    elsewhere = [f"{name}.{key}" for name, info in Config.model_fields.items()
+                 if (sub := _model_in(info.annotation)) is not None and key in sub.model_fields and name != section]
+    near = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    if elsewhere and not near:
+        return f"did you mean {' or '.join(elsewhere)}?"
+    if near:
+        return f"did you mean {prefix}{near[0]}?"
+    return f"{section or 'the top level'} has: {', '.join(known)}"
+
+
 def _format_validation_error(err: ValidationError, source: str, overrides: list[str]) -> str:
     """One line per bad field, each saying where its value came from: ``--set field=value`` or the file."""
     lines = ["invalid configuration:"]
@@ -690,9 +782,14 @@ def _format_validation_error(err: ValidationError, source: str, overrides: list[
         value = e.get("input")
         shown = "" if isinstance(value, dict) else f"got {value!r}, "
         # A section-level rule (loc "data") may involve the file's values and a --set alike.
-        setters = [o for o in overrides if field and (o.split("=", 1)[0].strip() + ".").startswith(field + ".")]
+        # ... and a --set of a whole section or list (data.sources=[...]) sets every field inside it.
+        setters = [o for o in overrides if field and ((key := o.split("=", 1)[0].strip() + ".").startswith(field + ".")
+                                                      or (field + ".").startswith(key))]
         origin = ", ".join(f"--set {o}" for o in setters) or source
-        lines.append(f"  {field or '(top level)'}: {e['msg']} ({shown}from {origin})")
+        msg, hint = e["msg"], ""
+        if e["type"] == "extra_forbidden":
+            msg, hint = "unknown field", f"; {unknown_field_hint(tuple(e['loc']))}"
+        lines.append(f"  {field or '(top level)'}: {msg} ({shown}from {origin}){hint}")
     return "\n".join(lines)
 
 

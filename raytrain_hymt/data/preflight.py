@@ -128,11 +128,15 @@ def _format_problem(source: SourceConfig, path: str) -> str | None:
     """Why the first lines of ``path`` cannot be ``source.format``, with the format they look like."""
     fmt = source.format
     if fmt == "parquet":
+        if _is_parquet(path):
+            return None
         with open_binary(path) as f:
             head = f.read(4)
-        return None if head == b"PAR1" else f"it does not start like a Parquet file (first bytes {head!r})"
+        return f"it does not start like a Parquet file (first bytes {head!r}){looks_like(_peek(path), path)}"
     if fmt not in ("tatoeba", "tsv", "jsonl", "csv"):
         return None
+    if _is_parquet(path):
+        return "it is a Parquet file, not lines of text (format 'parquet' reads it)"
     lines = _peek(path, encoding=source.encoding)
     if not lines:
         return None  # empty: said by the caller, about the path
@@ -140,7 +144,7 @@ def _format_problem(source: SourceConfig, path: str) -> str | None:
         try:
             row = json.loads(lines[0])
         except ValueError:
-            return f"line 1 is not JSON: {lines[0][:60]!r}"
+            return f"line 1 is not JSON: {lines[0][:60]!r}{looks_like(lines, path)}"
         if not isinstance(row, dict):
             return f"line 1 is a JSON {type(row).__name__}, not an object"
         absent = [c for c in dict.fromkeys((source.src_column, source.tgt_column)) if c not in row]
@@ -148,16 +152,68 @@ def _format_problem(source: SourceConfig, path: str) -> str | None:
             return (f"line 1 has no field {', '.join(map(repr, absent))} (fields: {', '.join(row)}); "
                     "set src_column/tgt_column")
         return None
+    looks = looks_like(lines, path)
+    if _json_object(lines[0]):
+        separator = "comma" if fmt == "csv" else "tab"
+        return f"line 1 is a JSON object, format {fmt!r} reads {separator}-separated columns{looks}"
     tabs = [line.count("\t") + 1 for line in lines]
-    want = 4 if fmt == "tatoeba" else 2
-    if fmt == "csv" or any(t == want for t in tabs):
-        return None
-    looks = {4: " (format 'tatoeba' reads 4 columns: src_lang, tgt_lang, src, tgt)",
-             2: " (format 'tsv' reads 2 columns: src, tgt)"}.get(tabs[0], "")
-    if tabs[0] == 1 and "," in lines[0]:
-        looks = " (comma-separated: format 'csv')"
     lines_have = "line 1 has" if len(lines) == 1 else f"its first {len(lines)} lines have"
+    if fmt == "csv":  # lines that all split into 2 or 4 at tabs are a TSV file; lines without a comma no CSV
+        if tabs[0] in (2, 4) and len(set(tabs)) == 1:
+            return f"{lines_have} {tabs[0]} tab-separated columns, format 'csv' reads comma-separated ones{looks}"
+        if not any("," in line for line in lines):
+            return f"{lines_have} no comma, format 'csv' reads 2 comma-separated columns{looks}"
+        return None
+    want = 4 if fmt == "tatoeba" else 2
+    if any(t == want for t in tabs):
+        return None
     return f"{lines_have} {tabs[0]} tab-separated columns, format {fmt!r} needs {want}{looks}"
+
+
+def _is_parquet(path: str) -> bool:
+    with open_binary(path) as f:
+        return f.read(4) == b"PAR1"
+
+
+def _json_object(line: str) -> bool:
+    """Whether ``line`` is one JSON object (a line of a JSON lines file)."""
+    if not line.lstrip().startswith("{"):
+        return False
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False
+
+
+def looks_like(lines: list[str], path: str) -> str:
+    """`` (<the format these first lines of ``path`` look like>)``, said in a wrong-format message, or ""."""
+    if _is_parquet(path):
+        return " (a Parquet file: format 'parquet')"
+    if not lines:
+        return ""
+    if _json_object(lines[0]):
+        return " (JSON lines: format 'jsonl')"
+    columns = lines[0].count("\t") + 1
+    if columns == 4:
+        return " (format 'tatoeba' reads 4 columns: src_lang, tgt_lang, src, tgt)"
+    if columns == 2:
+        return " (format 'tsv' reads 2 columns: src, tgt)"
+    if columns == 1 and "," in lines[0]:
+        return " (comma-separated: format 'csv')"
+    stem, _, suffix = path.removesuffix(".gz").rpartition(".")
+    if columns == 1 and stem and "/" not in suffix and is_supported(suffix):
+        return f" (one sentence a line, like a Moses file: format 'moses' with path '{stem}' reads {stem}.<src_lang> " \
+               f"and {stem}.<tgt_lang>)"
+    return ""
+
+
+def _folder_problem(source: SourceConfig) -> str | None:
+    """What to say when a file source's path is a folder: the glob that reads its files."""
+    if is_uri(source.path) or not Path(source.path).expanduser().is_dir():
+        return None
+    suffix = {"tatoeba": "tsv", "tsv": "tsv", "csv": "csv", "jsonl": "jsonl", "parquet": "parquet"}.get(source.format, "*")
+    return (f"data source {source.path!r} is a folder, not a file; to read the files in it give a glob, "
+            f"e.g. '{source.path.rstrip('/')}/*.{suffix}'")
 
 
 def _direction_problem(source: SourceConfig, path: str) -> str | None:
@@ -176,7 +232,7 @@ def _direction_problem(source: SourceConfig, path: str) -> str | None:
 
 def _sample_pairs(source: SourceConfig, path: str) -> list[tuple[str, str]]:
     """The first :data:`IDENTIFY_LINES` pairs of a tsv/csv/jsonl file (flat text columns), as read."""
-    lines = _peek(path, IDENTIFY_LINES, source.encoding)
+    lines = _peek(path, IDENTIFY_LINES)
     if source.format == "tsv":
         rows = [line.split("\t") for line in lines]
     elif source.format == "csv":
@@ -193,11 +249,11 @@ def _sample_pairs(source: SourceConfig, path: str) -> list[tuple[str, str]]:
     return [(s, t) for s, t in (r for r in rows if len(r) == 2) if isinstance(s, str) and isinstance(t, str)]
 
 
-def _moses_sample(src_file: str, tgt_file: str, encoding: str) -> list[tuple[str, str]]:
+def _moses_sample(src_file: str, tgt_file: str) -> list[tuple[str, str]]:
     """The first :data:`IDENTIFY_LINES` line pairs of a Moses pair (blank lines kept: they align)."""
     def head(path: str) -> list[str]:
-        with closing(decoded_lines(path, encoding)) as decoded:
-            return [line for (_, line, _), _ in zip(decoded, range(IDENTIFY_LINES))]
+        with open_binary(path) as f:
+            return [raw.decode("utf-8", errors="replace").rstrip("\r\n") for raw, _ in zip(f, range(IDENTIFY_LINES))]
 
     return list(zip(head(src_file), head(tgt_file)))
 
@@ -238,6 +294,10 @@ def _source_problems(i: int, source: SourceConfig, identify: bool = True) -> lis
         try:
             pairs = moses_pairs(source)
         except DataSourceError as e:
+            if not is_uri(source.path) and Path(source.path).expanduser().is_file():
+                # A file where a prefix belongs: the prefix of its pair, or the format its lines look like.
+                return [f"{field}.path: {e}; {source.path} is a file, format 'moses' takes the prefix of a file pair"
+                        f"{looks_like(_peek(source.path), source.path)}"]
             return [f"{field}.path: {e}"]
         for src_file, tgt_file in pairs:
             sides = ((src_file, source.src_lang), (tgt_file, source.tgt_lang))
@@ -251,17 +311,17 @@ def _source_problems(i: int, source: SourceConfig, identify: bool = True) -> lis
             elif n_src != n_tgt:
                 problems.append(f"{field}.path: Moses files are not line-aligned: {src_file} has {n_src} lines, "
                                 f"{tgt_file} has {n_tgt}")
-            elif identify and (wrong := _identity_problem(source, _moses_sample(src_file, tgt_file, source.encoding), src_file)):
+            elif identify and (wrong := _identity_problem(source, _moses_sample(src_file, tgt_file), src_file)):
                 problems.append(f"{field}: {wrong}")
         return problems
     try:
         files = expand_paths(source.path)
     except DataSourceError as e:
-        return problems + [f"{field}.path: {e}"]
+        return problems + [f"{field}.path: {_folder_problem(source) or e}"]
     select = source.format == "tatoeba" and (source.src_lang or source.tgt_lang) and not problems
     for path in files[:PEEK_FILES]:
         try:
-            undecodable = _encoding_problem(source, path)
+            undecodable = None if _is_parquet(path) else _encoding_problem(source, path)  # said as a format
             empty = source.format != "parquet" and not _peek(path, 1, source.encoding)
             wrong = None if empty else _format_problem(source, path)
             contradiction = None if empty or wrong or not select else _direction_problem(source, path)

@@ -712,3 +712,103 @@ def test_evaluation_directions_default_to_the_runs_own_corpus(ray_session, tmp_p
                "--set", "eval.max_sentences=2", "--set", "eval.max_new_tokens=4", ray_address=ray_address)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "en-ja" in run.stdout and "en-zh" not in run.stdout, run.stdout
+
+
+# ---- exit 2 for bad input, through the hymt command: one line naming the field, nothing created ---------
+
+def read_only_folder(path: Path) -> str:
+    """Make ``path`` a folder this user cannot create anything in; the reason the system gives. Root writes
+    through permissions, so for root the folder is made immutable (chattr +i; undone by the test)."""
+    path.mkdir()
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+        return "Permission denied"
+    if subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode != 0:
+        pytest.skip("root without chattr +i: no folder is read-only to this user")
+    return "Operation not permitted"
+
+
+def _corpus_folder(tmp_path: Path) -> str:
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.tsv").write_text("Hallo\tHello\n", encoding="utf-8")
+    return sources({"path": str(tmp_path / "corpus"), "format": "tsv", "src_lang": "de", "tgt_lang": "en"})
+
+
+def _jsonl_as_tatoeba(tmp_path: Path) -> str:
+    (tmp_path / "c.jsonl").write_text('{"src": "Hallo", "tgt": "Hello"}\n', encoding="utf-8")
+    return sources({"path": str(tmp_path / "c.jsonl"), "format": "tatoeba"})
+
+
+# (name, how the mistake is made from tmp_path: argv, the one line the user reads; "{t}" is tmp_path)
+BAD_INPUT = [
+    ("storage root is a file", lambda t: (t / "afile").touch() or ["train", "--name", "r", "--set", f"run.storage_root={t}/afile"],
+     "run.storage_root: {t}/afile is a file, not a folder (run.storage_root is a folder that holds a folder per run)"),
+    ("storage root inside a file", lambda t: (t / "afile").touch() or ["train", "--set", f"run.storage_root={t}/afile/runs"],
+     "run.storage_root: {t}/afile is a file, not a folder, so {t}/afile/runs cannot be created (run.storage_root is "
+     "a folder that holds a folder per run)"),
+    ("prepare into a non-empty folder", lambda t: (t / "out").mkdir() or (t / "out" / "x").touch() or ["prepare", f"{t}/out"],
+     "OUT: {t}/out is not empty (1 entry: x); a second dataset is never mixed into it: pass --overwrite to replace "
+     "it, or prepare into an empty or new folder"),
+    ("prepare into a file", lambda t: (t / "afile").touch() or ["prepare", f"{t}/afile"],
+     "OUT: {t}/afile is a file, not a folder (OUT is a folder that holds the prepared dataset: Parquet files and "
+     "manifest.json)"),
+    ("a folder as corpus file", lambda t: ["train", "--set", _corpus_folder(t)],
+     "data.sources[0].path: data source '{t}/corpus' is a folder, not a file; to read the files in it give a glob, "
+     "e.g. '{t}/corpus/*.tsv'"),
+    ("JSON lines read as tatoeba", lambda t: ["prepare", f"{t}/out", "--set", _jsonl_as_tatoeba(t)],
+     "data.sources[0].format: {t}/c.jsonl: line 1 is a JSON object, format 'tatoeba' reads tab-separated columns "
+     "(JSON lines: format 'jsonl')"),
+    ("another tool's field name", lambda t: ["train", "--set", "optim.learning_rate=1e-4"],
+     "invalid configuration:\n  optim.learning_rate: unknown field (got '1e-4', from --set optim.learning_rate=1e-4); "
+     "did you mean optim.lr?"),
+]
+
+
+@pytest.mark.parametrize("make, line", [c[1:] for c in BAD_INPUT], ids=[c[0] for c in BAD_INPUT])
+def test_bad_input_is_one_line_exit_2_before_ray_with_nothing_created(tmp_path, make, line):
+    work = tmp_path / "w"
+    work.mkdir()
+    argv = make(work)
+    run = hymt(tmp_path, *argv, *(["--set", f"run.storage_root={work}/runs"] if "run.storage_root" not in line else []))
+    assert_refused(run, line.format(t=work))
+    home = tmp_path / "home"
+    assert not list(home.rglob("session_*")) and not (home / "hymt_runs").exists(), list(home.rglob("*"))
+    assert not (work / "runs").exists()
+    assert sorted(p.name for p in work.iterdir() if p.name not in ("afile", "out", "corpus", "c.jsonl")) == []
+
+
+def test_a_read_only_storage_root_is_one_line_before_ray(tmp_path):
+    ro = tmp_path / "ro"
+    reason = read_only_folder(ro)
+    try:
+        run = hymt(tmp_path, "train", "--name", "r", "--set", f"run.storage_root={ro}")
+        assert_refused(run, f"run.storage_root: {ro} is not writable ({reason})")
+        run = hymt(tmp_path, "prepare", str(ro / "out"))
+        assert_refused(run, f"OUT: cannot create {ro}/out: {ro} is not writable ({reason})")
+        assert list(ro.iterdir()) == []
+    finally:
+        if os.geteuid() == 0:
+            subprocess.run(["chattr", "-i", str(ro)], check=True)
+
+
+def test_a_start_that_fails_leaves_no_run_folder_and_the_fixed_resubmission_is_a_new_run(tmp_path):
+    """A local Ray of one logical CPU cannot place 2 workers: refused once Ray started, so in the old order
+    the run folder and its config.yaml already existed and held the name to a config that never trained."""
+    from raytrain_hymt.driver.train import open_run
+
+    import shutil
+    import tempfile
+
+    runs = tmp_path / "runs"
+    short = Path(tempfile.mkdtemp(prefix="hymt-", dir="/tmp"))  # Ray's socket paths must stay under 108 bytes
+    try:
+        run = hymt(short, "train", "--name", "r", "--set", f"run.storage_root={runs}", "--set",
+                   "scaling.local_num_cpus=1", "--set", "tracking.enabled=false")
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert run.stderr.startswith("error: scaling.num_workers"), run.stderr[-3000:]
+    assert not (runs / "r").exists(), sorted(p.name for p in (runs / "r").rglob("*"))
+    fixed = load_config(None, [f"run.storage_root={runs}", "run.name=r", "scaling.num_workers=1", "optim.max_steps=3"])
+    folder, _ = open_run(fixed)  # the check a resubmission goes through before Ray: no "started with another config"
+    assert not folder.created and not (runs / "r").exists()
