@@ -79,6 +79,8 @@ def check_resume(saved: dict, new: dict) -> list[Difference]:
     """The differences between a run's first config and a re-submission's (both as plain dicts)."""
     defaults = flatten(Config().model_dump(mode="json"))
     before, after = flatten(saved), flatten(new)
+    if isinstance(before.get("data.sources"), list):  # a source field the first config.yaml predates: its default
+        before["data.sources"] = [_with_source_defaults(s) for s in before["data.sources"]]
     diffs = []
     # Only fields of the schema: a recorded non-config difference (a data fingerprint) is not one.
     for field in sorted(set(after) | (set(before) & set(defaults))):
@@ -94,6 +96,17 @@ def check_resume(saved: dict, new: dict) -> list[Difference]:
     if rows[0] != rows[1]:
         diffs.append(Difference(ROWS_PER_STEP, rows[0], rows[1], True))
     return diffs
+
+
+def _with_source_defaults(source: Any) -> Any:
+    if not isinstance(source, dict):
+        return source
+    from raytrain_hymt.config.schema import SourceConfig
+
+    fields = SourceConfig.model_fields
+    filled = {k: f.default for k, f in fields.items() if k not in source and not f.is_required()
+              and f.default_factory is None}
+    return {**SourceConfig.model_construct(**filled).model_dump(mode="json", include=set(filled)), **source}
 
 
 #: The name a changed global batch is reported under (not a config field: it is derived from several).
