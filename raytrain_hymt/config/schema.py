@@ -173,6 +173,12 @@ class ModelConfig(_Section):
     """Tokenizer folder or hub id when it differs from ``name_or_path``."""
     trust_remote_code: bool = False
     """Allow code from the model repository (Hunyuan-MT is native in transformers: leave off)."""
+    family: Literal["auto", "hunyuan-mt", "hy-mt1.5", "hy-mt2"] = "auto"
+    """Which model family's prompt templates (pinned copies of its model card) the examples are written
+    in: ``hunyuan-mt`` (Hunyuan-MT-7B), ``hy-mt1.5`` (HY-MT1.5-1.8B/-7B: also terminology, context and
+    formatted prompts), ``hy-mt2`` (Hy-MT2-1.8B/-7B: also terminology, style and background prompts).
+    ``auto``: the family named in ``name_or_path`` (or, for a local folder, Hy-MT2's chat template), else
+    ``hunyuan-mt`` with one info line."""
     attn_implementation: Literal["sdpa", "eager", "flex_attention"] = "sdpa"
     """Attention kernel. Packed rows need document masking: ``flex_attention`` (fast on GPU) or a dense
     block-diagonal mask through ``sdpa``/``eager``."""

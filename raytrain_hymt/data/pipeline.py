@@ -60,7 +60,7 @@ from raytrain_hymt.data.cleaning import (
 from raytrain_hymt.data.epochs import block_rows
 from raytrain_hymt.data.files import file_size
 from raytrain_hymt.data.packing import as_single_rows, pack_examples
-from raytrain_hymt.data.prompts import expand_directions
+from raytrain_hymt.data.prompts import expand_directions, resolve_family
 from raytrain_hymt.data.sources import plan_source, read_units
 from raytrain_hymt.data.stats import DataStats, fill_row_stats
 from raytrain_hymt.data.tokenize import TokenizePairs
@@ -269,6 +269,7 @@ def tokenized_dataset(cfg: Config):
             "tokenizer_name": cfg.model.tokenizer or cfg.model.name_or_path,
             "max_example_tokens": data.max_example_tokens,
             "trust_remote_code": cfg.model.trust_remote_code,
+            "family": resolve_family(cfg.model.family, cfg.model.tokenizer or cfg.model.name_or_path),
         },
         batch_size=data.tokenize_batch_size,
         batch_format="numpy",

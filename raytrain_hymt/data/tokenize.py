@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 
 from raytrain_hymt.data.packing import IGNORE_INDEX
-from raytrain_hymt.data.prompts import build_prompt
+from raytrain_hymt.data.prompts import DEFAULT_FAMILY, KIND_FIELDS, build_prompt
 #: Columns the tokenizer consumes: its output keeps every other input column plus the token columns.
 TEXT_COLUMNS = ("src", "tgt", "src_lang", "tgt_lang")
 _PROBE = "\x00ANSWER\x00"
@@ -103,18 +103,23 @@ class TokenizePairs:
     already dropped stay (no tokens), examples over ``max_example_tokens`` become ``too_many_tokens``.
     """
 
-    def __init__(self, tokenizer_name: str, max_example_tokens: int, trust_remote_code: bool = False):
+    def __init__(self, tokenizer_name: str, max_example_tokens: int, trust_remote_code: bool = False,
+                 family: str = DEFAULT_FAMILY):
         from raytrain_hymt.tokenizer import load_tokenizer
 
         self.tokenizer = load_tokenizer(tokenizer_name, trust_remote_code=trust_remote_code)
         self.suffix = answer_suffix(self.tokenizer)
         self.max_tokens = max_example_tokens
+        self.family = family
 
     def __call__(self, batch: dict[str, np.ndarray]) -> pa.Table:
         n = len(batch["src"])
         drop = [str(r) for r in batch["drop_reason"]]
         keep = [i for i in range(n) if not drop[i]]
-        prompts = [build_prompt(str(batch["src"][i]), str(batch["src_lang"][i]), str(batch["tgt_lang"][i])) for i in keep]
+        # Optional per-example fields (terms, context...) choose the prompt kind; absent columns give plain.
+        kind_columns = {name: batch[name] for name in KIND_FIELDS if name in batch}
+        prompts = [build_prompt(str(batch["src"][i]), str(batch["src_lang"][i]), str(batch["tgt_lang"][i]),
+                                self.family, **{name: col[i] for name, col in kind_columns.items()}) for i in keep]
         kept_prompts, kept_answers = token_lists(self.tokenizer, prompts, [str(batch["tgt"][i]) for i in keep], self.suffix)
         prompt_ids: list[list[int]] = [[]] * n
         answer_ids: list[list[int]] = [[]] * n
@@ -124,7 +129,7 @@ class TokenizePairs:
         for i in np.flatnonzero(columns.pop("too_long")).tolist():
             drop[i] = "too_many_tokens"
         out = {k: pa.array(v, pa.string() if v.dtype == object else None) for k, v in batch.items()
-               if k not in TEXT_COLUMNS and k != "drop_reason"}
+               if k not in TEXT_COLUMNS and k not in KIND_FIELDS and k != "drop_reason"}
         out["drop_reason"] = pa.array(drop, pa.string())
         out.update(columns)
         return pa.table(out)

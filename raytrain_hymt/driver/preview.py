@@ -92,11 +92,13 @@ def preview_examples(cfg: Config, n: int) -> list[Example]:
     """The first ``n`` training examples of ``cfg``'s sources, with every row before them that does not
     train (dropped by cleaning, too long, held out for validation) in its place."""
     from raytrain_hymt.data.pipeline import cleaning_rules, prepare_pairs
+    from raytrain_hymt.data.prompts import resolve_family
     from raytrain_hymt.data.tokenize import TokenizePairs
 
     data = cfg.data
-    tokenize = TokenizePairs(cfg.model.tokenizer or cfg.model.name_or_path, data.max_example_tokens,
-                             cfg.model.trust_remote_code)
+    tokenizer_name = cfg.model.tokenizer or cfg.model.name_or_path
+    tokenize = TokenizePairs(tokenizer_name, data.max_example_tokens, cfg.model.trust_remote_code,
+                             resolve_family(cfg.model.family, tokenizer_name))
     decode = tokenize.tokenizer.decode
     out: list[Example] = []
     trained = 0
