@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from raytrain_hymt.config.schema import load_config
+from raytrain_hymt.config.schema import SourceConfig, load_config
 from raytrain_hymt.data.files import count_lines, decode_problem, decoded_lines, file_name, guess_encoding
 from raytrain_hymt.data.preflight import source_problems
 from raytrain_hymt.data.readers import (Columns, delimited_parser, read_csv, read_jsonl, read_line_tables,
                                         read_moses, tatoeba_parser)
+from raytrain_hymt.data.sources import plan_source
 from raytrain_hymt.driver.translate import read_input
 from raytrain_hymt.errors import ConfigError
 
@@ -253,3 +254,26 @@ def test_translate_input_is_read_in_its_encoding(tmp_path):
     assert read_input([], str(path), None, "utf-16", "ja") == ja
     with pytest.raises(ConfigError, match=r"^--encoding: 'sjis2' is not a text encoding Python knows"):
         read_input([], str(path), None, "sjis2", "ja")
+
+
+def test_a_sources_read_tasks_decode_in_its_encoding(tmp_path):
+    """The planned read tasks (run here without Ray: each is a plain function) get the source's encoding."""
+    zh, en = flores("zho_Hans", "gbk", 3), flores("eng_Latn", n=3)
+    tsv = tmp_path / "gbk.tsv"
+    tsv.write_bytes(text([f"{e}\t{z}" for e, z in zip(en, zh)], "gbk"))
+    (unit,) = plan_source(SourceConfig(path=str(tsv), format="tsv", src_lang="en", tgt_lang="zh", encoding="gbk"), 0)
+    assert next(unit.read()).column("tgt").to_pylist() == zh
+    tatoeba = tmp_path / "t.tsv"
+    tatoeba.write_bytes(text([f"eng\tcmn\t{e}\t{z}" for e, z in zip(en, zh)], "utf-16"))
+    (unit,) = plan_source(SourceConfig(path=str(tatoeba), encoding="utf-16"), 0)
+    assert next(unit.read()).column("tgt").to_pylist() == zh
+    csv_file = tmp_path / "c.csv"
+    rows = io.StringIO()
+    csv.writer(rows, lineterminator="\n").writerows(zip(en, zh))
+    csv_file.write_bytes(rows.getvalue().encode("gb18030"))
+    jsonl = tmp_path / "j.jsonl"
+    jsonl.write_bytes(text([json.dumps({"src": e, "tgt": z}, ensure_ascii=False) for e, z in zip(en, zh)], "gb18030"))
+    for fmt, path in (("csv", csv_file), ("jsonl", jsonl)):
+        (unit,) = plan_source(SourceConfig(path=str(path), format=fmt, src_lang="en", tgt_lang="zh",
+                                           encoding="gb18030"), 0)
+        assert next(unit.read()).column("tgt").to_pylist() == zh, fmt
