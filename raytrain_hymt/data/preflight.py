@@ -232,7 +232,7 @@ def _direction_problem(source: SourceConfig, path: str) -> str | None:
 
 def _sample_pairs(source: SourceConfig, path: str) -> list[tuple[str, str]]:
     """The first :data:`IDENTIFY_LINES` pairs of a tsv/csv/jsonl file (flat text columns), as read."""
-    lines = _peek(path, IDENTIFY_LINES)
+    lines = _peek(path, IDENTIFY_LINES, source.encoding)
     if source.format == "tsv":
         rows = [line.split("\t") for line in lines]
     elif source.format == "csv":
@@ -249,11 +249,11 @@ def _sample_pairs(source: SourceConfig, path: str) -> list[tuple[str, str]]:
     return [(s, t) for s, t in (r for r in rows if len(r) == 2) if isinstance(s, str) and isinstance(t, str)]
 
 
-def _moses_sample(src_file: str, tgt_file: str) -> list[tuple[str, str]]:
+def _moses_sample(src_file: str, tgt_file: str, encoding: str) -> list[tuple[str, str]]:
     """The first :data:`IDENTIFY_LINES` line pairs of a Moses pair (blank lines kept: they align)."""
     def head(path: str) -> list[str]:
-        with open_binary(path) as f:
-            return [raw.decode("utf-8", errors="replace").rstrip("\r\n") for raw, _ in zip(f, range(IDENTIFY_LINES))]
+        with closing(decoded_lines(path, encoding)) as decoded:
+            return [line for (_, line, _), _ in zip(decoded, range(IDENTIFY_LINES))]
 
     return list(zip(head(src_file), head(tgt_file)))
 
@@ -311,7 +311,8 @@ def _source_problems(i: int, source: SourceConfig, identify: bool = True) -> lis
             elif n_src != n_tgt:
                 problems.append(f"{field}.path: Moses files are not line-aligned: {src_file} has {n_src} lines, "
                                 f"{tgt_file} has {n_tgt}")
-            elif identify and (wrong := _identity_problem(source, _moses_sample(src_file, tgt_file), src_file)):
+            elif identify and (wrong := _identity_problem(
+                    source, _moses_sample(src_file, tgt_file, source.encoding), src_file)):
                 problems.append(f"{field}: {wrong}")
         return problems
     try:
