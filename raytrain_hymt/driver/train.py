@@ -30,7 +30,7 @@ from raytrain_hymt.data.stats import DataStats
 from raytrain_hymt.driver.runs import TrainingSummary, resolve_init_from, run_name, start_tracking
 from raytrain_hymt.driver.runs import create_run_folder, discard_unstarted
 from raytrain_hymt.driver.session import init_ray, use_driver_env
-from raytrain_hymt.errors import ConfigError, DataSourceError
+from raytrain_hymt.errors import ConfigError
 from raytrain_hymt.storage import CONFIG_FILE, RUN_FILE, SUMMARY_FILE, RunFolder, folder_problem, is_uri
 
 log = logging.getLogger("raytrain_hymt")
@@ -306,7 +306,7 @@ def prepare_dataset(cfg: Config, out: str, overwrite: bool = False) -> DataStats
     """Read, clean, tokenize, split, order and pack the configured sources and publish them as a
     prepared dataset in ``out`` (see the module docstring); ``overwrite`` replaces what ``out`` holds."""
     if cfg.data.prepared_path:
-        raise DataSourceError("data.prepared_path is set: prepare reads data.sources; unset it to prepare again")
+        raise ConfigError("data.prepared_path is set: prepare reads data.sources; unset it to prepare again")
     if not is_uri(out):
         out = str(Path(out).expanduser().resolve())
     check_target(out, overwrite)  # before Ray starts or any file is read

@@ -126,6 +126,7 @@ PRODUCERS = {
     "source and target in one language":
         (2, lambda: write("c.tsv", "a\tb\n") and ["prepare", "out", "--set", sources(tsv("c.tsv", src_lang="en", tgt_lang="eng"))]),
     "a path or glob that matches nothing": (2, lambda: ["prepare", "out", "--set", sources(tsv("missing*.tsv"))]),
+    "`hymt prepare` with `data.prepared_path` set": (2, lambda: ["prepare", "out", "--set", "data.prepared_path=/x"]),
     "a folder given as a corpus file": (2, folder_as_corpus),
     "JSON lines read as `tatoeba`, `tsv` or `csv`": (2, jsonl_as_tatoeba),
     "a Parquet file read as text": (2, parquet_as_text),
