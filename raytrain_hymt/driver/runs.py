@@ -22,7 +22,6 @@ from raytrain_hymt.storage import CONFIG_FILE, METRICS_FILE, RUN_FILE, SUMMARY_F
 log = logging.getLogger("raytrain_hymt")
 
 
-
 @dataclass
 class TrainingSummary:
     """Where a finished run's results are."""
