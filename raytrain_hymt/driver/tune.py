@@ -107,6 +107,8 @@ def _tuner(cfg: Config, search_dir: Path, trainable, total_steps: int, concurren
     from ray.tune.schedulers import ASHAScheduler
     from ray.tune.search import BasicVariantGenerator
 
+    from raytrain_hymt.console.quiet import tune_verbosity
+
     t = cfg.tune
     path = str(search_dir / TUNE_DIR)
     if tune.Tuner.can_restore(path):
@@ -128,8 +130,40 @@ def _tuner(cfg: Config, search_dir: Path, trainable, total_steps: int, concurren
             # The concurrency limit goes to the generator: Tune ignores max_concurrent_trials next to one.
             search_alg=BasicVariantGenerator(random_state=t.seed, max_concurrent=concurrency),
         ),
-        run_config=tune.RunConfig(name=TUNE_DIR, storage_path=str(search_dir), verbose=1),
+        run_config=tune.RunConfig(name=TUNE_DIR, storage_path=str(search_dir), verbose=tune_verbosity(),
+                                  callbacks=[_trial_lines(total_steps)]),
     )
+
+
+def _trial_lines(total_steps: int):
+    """A Tune callback that logs one line per trial that ends: finished, stopped early by ASHA, or failed
+    (Tune's own console is off at default verbosity: ``console.quiet.quiet_tune``). Built here so that
+    importing this module does not import Ray; Tune saves it with the search (cloudpickle) for a restore."""
+    from ray import tune
+
+    class TrialLines(tune.Callback):
+        def on_trial_complete(self, iteration, trials, trial, **info):
+            result = trial.last_result or {}
+            steps = int(result.get(TIME_ATTR, 0))
+            log.info("trial %s %s", trial.trial_id,
+                     trial_line(flatten(trial.config), result.get(METRIC), steps, total_steps))
+
+        def on_trial_error(self, iteration, trials, trial, **info):
+            log.warning("trial %s failed (%s): see %s", trial.trial_id,
+                        ", ".join(f"{k}={fmt_value(v)}" for k, v in flatten(trial.config).items()),
+                        trial.error_file)
+
+    return TrialLines()
+
+
+def trial_line(params: Mapping, val_loss: float | None, steps: int, total_steps: int) -> str:
+    """How a trial ended, after its id: ``done: optim.lr=0.001, val_loss 6.1234 after 8 steps``, or ``stopped:
+    ..., val_loss 8.3424 after 2 of 8 steps`` (ASHA stopped it). The trials a Ctrl-C stops get no line: the
+    search continues them when it runs again."""
+    val = f"{val_loss:.4f}" if val_loss is not None else "-"
+    done = steps >= total_steps
+    return (f"{'done' if done else 'stopped'}: {', '.join(f'{k}={fmt_value(v)}' for k, v in params.items())}, "
+            f"val_loss {val} after {steps}{'' if done else f' of {total_steps}'} steps")
 
 
 def _rows(grid, search_dir: Path, total_steps: int) -> list[TrialRow]:
@@ -186,6 +220,7 @@ def run_search(cfg: Config) -> SearchResult:
     import ray
     from ray import tune
 
+    from raytrain_hymt.console.quiet import quiet_tune
     from raytrain_hymt.data.pipeline import build_datasets
     from raytrain_hymt.driver.runs import run_name, start_tracking
     from raytrain_hymt.driver.session import check_cluster_resources, check_state_api, init_ray
@@ -220,7 +255,8 @@ def run_search(cfg: Config) -> SearchResult:
                                  search_dir=str(search_dir), tracking_uri=uri, parent_run_id=tracker.run_id),
             {"cpu": cfg.tune.driver_cpus},
         )
-        grid = _tuner(cfg, search_dir, trainable, total, concurrency).fit()
+        with quiet_tune():
+            grid = _tuner(cfg, search_dir, trainable, total, concurrency).fit()
         rows = _rows(grid, search_dir, total)
         finished = all(r.status != "unfinished" for r in rows) and len(rows) == num_trials(cfg)
         if not any(r.status in ("done", "stopped") for r in rows) and grid.errors:

@@ -4,8 +4,12 @@ interrupted after the first trial and continued by running it again."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -24,7 +28,7 @@ from raytrain_hymt.config.schema import load_config
 from raytrain_hymt.errors import ConfigError
 from raytrain_hymt.driver.tune import BEST_PRESET, STOPPED_EARLY_TAG, run_search
 from raytrain_hymt.driver.tune import (TrialRow, best_preset_yaml, best_trial, grid_points, max_concurrent_trials, num_trials,
-                                     search_dimensions, table_lines, trial_config, trial_resources)
+                                     search_dimensions, table_lines, trial_config, trial_line, trial_resources)
 
 # In the preset's order: each of the first three learns faster than the one before (so run one at a time,
 # ASHA keeps them), 1e-6 barely moves the random model (ASHA must stop it at its first rung).
@@ -138,14 +142,65 @@ def search(ray_session, tmp_path_factory):
         "tune.lr_grid": str(SEARCH_LRS),
     })
     started = time.monotonic()
+    # What each attempt prints (Tune writes its tables with print) and logs through the project's logger.
+    printed, logged = [io.StringIO(), io.StringIO()], [[], []]
+
+    def attempt(n: int):
+        handler = logging.Handler(logging.INFO)
+        handler.emit = lambda record: logged[n].append(record.getMessage())
+        project = logging.getLogger("raytrain_hymt")
+        level = project.level
+        project.setLevel(logging.INFO)  # as hymt's console shows it (pytest's root logger is at WARNING)
+        project.addHandler(handler)
+        try:
+            with contextlib.redirect_stdout(printed[n]), contextlib.redirect_stderr(printed[n]):
+                return run_search(load_config("tune-tiny-cpu", overrides))
+        finally:
+            project.removeHandler(handler)
+            project.setLevel(level)
+            sys.stdout.write(printed[n].getvalue())
+
     # First attempt: interrupted once the second trial started (one at a time: the first has finished).
     watcher = _interrupt_when(storage / "lr-search", "trial-*/run.json", 2)
-    first = run_search(load_config("tune-tiny-cpu", overrides))
+    first = attempt(0)
     watcher.join(timeout=5)
     # Second attempt: the same command continues the search.
-    second = run_search(load_config("tune-tiny-cpu", overrides))
+    second = attempt(1)
     print(f"search: interrupted + continued in {time.monotonic() - started:.0f} s")
+    CONSOLE.update(printed=[p.getvalue() for p in printed], logged=logged)
     return storage, first, second
+
+
+#: What the ``search`` fixture's two attempts printed and logged (``printed``, ``logged``: one entry each).
+CONSOLE: dict = {}
+
+
+def test_the_search_console_is_one_line_per_trial(search):
+    """Tune's own console is off (no status table every 30 s, no trial configs or results, no experiment
+    header or TensorBoard hint): one line per trial that ended, from the trial's final result, then the
+    result table with the best trial (``SearchResult.lines``)."""
+    _, first, second = search
+    assert [ln for text in CONSOLE["printed"] for ln in text.splitlines()
+            if re.search(r"Trial|[Tt]ensor[Bb]oard|View detailed results|Configuration for experiment|[╭│╰]", ln)] == []
+    assert [ln for logs in CONSOLE["logged"] for ln in logs if "metric(s) to send" in ln] == []
+    ended = [[ln for ln in logs if ln.startswith("trial ")] for logs in CONSOLE["logged"]]
+    done_before, interrupted = first.rows
+    # The interrupted trial gets no line there: the second attempt ran it again to its end.
+    assert ended[0] == [f"trial {done_before.trial_id} {trial_line(done_before.params, done_before.val_loss, 8, 8)}"]
+    rows = {r.trial_id: r for r in second.rows}
+    assert sorted(ended[1]) == sorted(f"trial {r.trial_id} {trial_line(r.params, r.val_loss, r.steps, 8)}"
+                                      for r in second.rows if r.trial_id != done_before.trial_id)
+    hopeless = next(r for r in second.rows if r.stopped_early)
+    assert f"trial {hopeless.trial_id} stopped: optim.lr=1e-06, val_loss {hopeless.val_loss:.4f} after 2 of 8 steps" \
+        in ended[1]
+    assert rows[interrupted.trial_id].status == "done"
+    assert any(ln.startswith(f"  best trial:   {second.best.trial_id} (optim.lr=") for ln in second.lines())
+
+
+def test_trial_lines_name_the_params_the_loss_and_the_steps():
+    assert trial_line({"optim.lr": 1e-3}, 6.12345, 8, 8) == "done: optim.lr=0.001, val_loss 6.1235 after 8 steps"
+    assert trial_line({"optim.lr": 1e-6, "lora.rank": 8}, None, 0, 8) == (
+        "stopped: optim.lr=1e-06, lora.rank=8, val_loss - after 0 of 8 steps")
 
 
 def test_a_cluster_without_the_state_api_is_refused_and_a_local_ray_has_it(tmp_path):
