@@ -1,4 +1,4 @@
-"""Users' mistakes (issue #14): each one is caught early, said in one clear message, and loses nothing.
+"""Users' mistakes: each one is caught early, said in one clear message, and loses nothing.
 
 Most tests call the command line in-process (``cli.main``: the exit status and stderr the user sees)
 and fail before Ray starts. The subprocess tests prove it from outside: their own HOME/TMPDIR, no
@@ -383,7 +383,7 @@ def test_what_may_change_on_resume_is_an_explicit_list():
 
 
 def test_another_worker_count_resumes_only_with_the_same_global_batch():
-    """A run may continue on another worker count (#16) as long as its global batch stays: fixed by
+    """A run may continue on another worker count as long as its global batch stays: fixed by
     optim.global_batch_rows, or by a micro-batch × accumulation that makes up for the new count."""
     saved = load_config(None, ["optim.global_batch_rows=4"]).model_dump(mode="json")
     fewer = load_config(None, ["optim.global_batch_rows=4", "scaling.num_workers=1"]).model_dump(mode="json")
