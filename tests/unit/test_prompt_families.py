@@ -11,7 +11,7 @@ import logging
 import numpy as np
 import pytest
 
-from raytrain_hymt.config.schema import Config
+from raytrain_hymt.config.schema import Config, load_config
 from raytrain_hymt.data.prompts import (
     FAMILIES,
     build_prompt,
@@ -168,3 +168,15 @@ def test_label_mask_covers_exactly_the_answer(family, column, value):
         assert tok.decode(ids[:n]) == prompt_text
         assert labels[:n] == [IGNORE_INDEX] * n and labels[n:] == ids[n:]
         assert tok.decode(labels[n:]) == batch["tgt"][row] + "<|eos|>"
+
+
+@pytest.mark.parametrize(("preset", "hub", "family"), [
+    ("hy-mt1.5-1.8b-full", "tencent/HY-MT1.5-1.8B", "hy-mt1.5"), ("hy-mt1.5-1.8b-lora", "tencent/HY-MT1.5-1.8B", "hy-mt1.5"),
+    ("hy-mt1.5-7b-lora", "tencent/HY-MT1.5-7B", "hy-mt1.5"), ("hy-mt2-1.8b-full", "tencent/Hy-MT2-1.8B", "hy-mt2"),
+    ("hy-mt2-7b-lora", "tencent/Hy-MT2-7B", "hy-mt2"),
+])
+def test_family_presets_name_their_model_and_family(preset, hub, family):
+    cfg = load_config(preset)
+    assert (cfg.model.name_or_path, cfg.model.family) == (hub, family)
+    assert resolve_family("auto", hub) == family  # the hub id alone would pick the same family
+    assert cfg.lora.enabled == preset.endswith("-lora")
