@@ -14,6 +14,7 @@ import pytest
 
 from raytrain_hymt import cli
 from raytrain_hymt.driver.preview import Example
+from run_folders import cut_off_checkpoint as _cut_off_checkpoint
 
 PROMPT_EN = "Translate the following segment into English, without additional explanation.\n\n"
 PROMPT_DE = "Translate the following segment into German, without additional explanation.\n\n"
@@ -94,16 +95,6 @@ def test_preview_of_a_prepared_dataset_is_refused_in_one_line(capsys):
 
 
 # ---- hymt export: what is refused before anything starts ---------------------------------------------------
-
-
-def _cut_off_checkpoint(folder: Path) -> Path:
-    """A checkpoint of 2 ranks whose rank 1 never wrote its marker (as a kill mid-save leaves it)."""
-    folder.mkdir(parents=True)
-    (folder / "state.json").write_text(json.dumps({"step": 4, "epoch": 0, "batch_in_epoch": 4, "world_size": 2,
-                                                   "tag": "step00000004", "zero_stage": 2}))
-    (folder / "complete").mkdir()
-    (folder / "complete" / "rank0").write_text(json.dumps({"files": {}}))
-    return folder
 
 
 @pytest.mark.parametrize("case", ["no such folder", "not a checkpoint", "cut off", "run without checkpoints",

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from raytrain_hymt.config.schema import load_config, to_yaml
 from raytrain_hymt.driver.resume import Difference, check_finished, keep_first_config
 from raytrain_hymt.driver.runs import finished_summary, resolve_init_from
 from raytrain_hymt.errors import ConfigError
-from raytrain_hymt.storage import CHANGES_FILE, SUMMARY_FILE, RunFolder
+from raytrain_hymt.storage import CHANGES_FILE, SUMMARY_FILE
 from raytrain_hymt.train.checkpoint import base_identity
+from run_folders import finished_run as _finished, run_config as _cfg, whole_checkpoint as _checkpoint
 
 MAX_STEPS = Difference("optim.max_steps", 20, 80, True)
 LR = Difference("optim.lr", 0.002, 0.001, True)
@@ -63,22 +63,6 @@ def test_free_changes_of_a_finished_run_print_its_summary():
         False, [Difference("eval.every_steps", 10, 5, False)])
 
 
-def _cfg(storage: Path, *sets: str, name: str | None = "new"):
-    return load_config(None, [f"run.storage_root={storage}", "optim.max_steps=20", *sets]
-                       + ([f"run.name={name}"] if name else []))
-
-
-def _finished(storage: Path, name: str = "e2e", steps: int = 20, *sets: str) -> RunFolder:
-    """A run folder as a finished run leaves it: its config and its summary."""
-    folder = RunFolder(str(storage), name)
-    folder.write_text("config.yaml", to_yaml(_cfg(storage, *sets, name=name)))
-    folder.write_text(SUMMARY_FILE, json.dumps({
-        "name": name, "run_dir": folder.uri, "checkpoint": f"{folder.uri}/checkpoint_step{steps:08d}", "model_dir": None,
-        "steps": steps, "train_loss": 1.0, "val_loss": None, "wall_time_s": 1.0, "tracking_uri": None,
-        "mlflow_run_id": None, "mlflow_experiment": None}))
-    return folder
-
-
 def test_a_finished_run_goes_on_with_more_steps_and_is_unfinished_until_it_ends(tmp_path):
     folder = _finished(tmp_path)
     same = _cfg(tmp_path, name="e2e")
@@ -102,20 +86,6 @@ def test_a_finished_run_with_a_changed_lr_stops_before_anything_is_written(tmp_p
         with pytest.raises(ConfigError, match=r"\n  optim.lr: 0.002 -> 0.001\n"):
             check(changed)
     assert folder.read_text(SUMMARY_FILE) is not None and folder.read_text(CHANGES_FILE) is None
-
-
-def _checkpoint(run: Path, step: int, world: int = 2, base_model: dict | None = None) -> Path:
-    """A whole checkpoint of ``step``: state, one stand-in shard per rank, every rank's marker."""
-    folder = run / f"checkpoint_step{step:08d}"
-    (folder / "complete").mkdir(parents=True)
-    state = {"step": step, "epoch": 0, "batch_in_epoch": step, "world_size": world, "tag": f"step{step:08d}",
-             "zero_stage": 2, "base_model": base_model}
-    (folder / "state.json").write_text(json.dumps(state))
-    for rank in range(world):
-        (folder / f"shard{rank}.pt").write_bytes(b"x" * 10)
-        files = {f"shard{rank}.pt": 10, **({"state.json": (folder / "state.json").stat().st_size} if rank == 0 else {})}
-        (folder / "complete" / f"rank{rank}").write_text(json.dumps({"files": files}))
-    return folder
 
 
 def _init_from(storage: Path, value: str, *sets: str) -> str:
