@@ -1,9 +1,11 @@
 """docs/errors.md against the messages the commands really print.
 
 Each table row of docs/errors.md (its first cell names the mistake) has a producer here: a function that makes
-the mistake through ``cli.main`` in this process, in a fresh folder that is also the working directory, and
-returns the exit status and stderr. A row matches when every backticked snippet of its message cell occurs in
-stderr, in order, with ``...`` standing for any text and the fresh folder's path written as ``/data``. A row
+the mistake through ``cli.main`` in this process (or, where the command would refuse another mistake of this
+machine first, through the check the command runs, reported as ``cli.main`` reports it), in a fresh folder that
+is also the working directory, and returns the exit status and stderr. A row matches when every backticked
+snippet of its message cell occurs in stderr, in order, with ``...`` standing for any text, the fresh folder's
+path written as ``/data`` and the default run.storage_root's (``~/hymt_runs``) as ``/root/hymt_runs``. A row
 without a producer fails, unless it is named in :data:`NOT_PRODUCED` (a message that needs Ray, a model, a
 trained run or a server; each of those has its own test in the file the row names) - so nobody documents a
 message that is never checked, and a documented message that changes fails here.
@@ -14,13 +16,20 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 from pathlib import Path
+from unittest.mock import patch
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from raytrain_hymt import cli
+from raytrain_hymt.driver.runs import resolve_init_from
+from raytrain_hymt.errors import ConfigError
+from raytrain_hymt.train.checkpoint import base_identity
+from run_folders import cut_off_checkpoint, finished_run, run_config, whole_checkpoint
+from test_encodings import flores, moses_pair, text
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "errors.md"
 
@@ -117,7 +126,135 @@ def yaml_file(text: str):
     return produce
 
 
-#: mistake (the first cell of its row) -> (exit status, a function that makes it and returns hymt's argv).
+def moses(name: str, en: list[str], other: bytes, lang: str, **extra) -> dict:
+    """A Moses pair ``name.en`` (UTF-8) and ``name.<lang>`` (the bytes ``other``)."""
+    write(f"{name}.en", "".join(f"{line}\n" for line in en))
+    Path(f"{name}.{lang}").write_bytes(other)
+    return {"path": name, "format": "moses", "src_lang": "en", "tgt_lang": lang, **extra}
+
+
+def shift_jis_moses():
+    en, ja = moses_pair()
+    return ["prepare", "out", "--set", sources(moses("sjis", en, text(ja, "shift_jis"), "ja"))]
+
+
+def utf16_moses():
+    """English in UTF-16 without a byte order mark is valid UTF-8 byte for byte, NUL bytes and all."""
+    write("c.de", "".join(f"{line}\n" for line in flores("deu_Latn", n=3)))
+    Path("c.en").write_bytes(text(flores("eng_Latn", n=3), "utf-16-le"))
+    return ["prepare", "out", "--set", sources({"path": "c", "format": "moses", "src_lang": "de", "tgt_lang": "en"})]
+
+
+def german_labelled_japanese():
+    """cp1252 German under a Japanese label: no encoding tried reads it as Japanese."""
+    return ["prepare", "out", "--set",
+            sources(moses("g", flores("eng_Latn", n=3), text(flores("deu_Latn", "cp1252", n=3), "cp1252"), "ja"))]
+
+
+def translate_shift_jis(*extra: str):
+    def produce():
+        Path("sjis.txt").write_bytes(text(flores("jpn_Jpan", "shift_jis", 3), "shift_jis"))
+        return ["translate", "--model", "/nope", "--from", "ja", "--to", "en", "-i", "sjis.txt", *extra]
+    return produce
+
+
+def home_runs() -> Path:
+    """The default run.storage_root (``~/hymt_runs``, HOME being the test's ``home`` folder, printed as /root)."""
+    return Path("home", "hymt_runs").resolve()
+
+
+def in_process(check):
+    """``check`` (a function ``hymt`` calls before Ray starts) as ``cli.main`` reports it: exit 2 and one
+    ``error:`` line for a ConfigError."""
+    def run() -> int:
+        try:
+            check()
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        return 0
+    return run
+
+
+def finished_e2e(*sets: str):
+    """``hymt train --name e2e`` again, with ``sets``, after run e2e finished at step 20 with lr 0.002."""
+    def produce():
+        finished_run(home_runs(), "e2e", 20, "optim.lr=0.002")
+        return ["train", "--name", "e2e", *settings("optim.max_steps=20", "optim.lr=0.002", *sets)]
+    return produce
+
+
+def init_from(value, *sets: str, name: str = "new", make=None):
+    """``hymt train --name NAME --set model.init_from=VALUE`` (a new run: the check runs before Ray starts);
+    ``make`` builds run r's folder under the default run.storage_root first."""
+    def produce():
+        if make:
+            make(home_runs() / "r")
+        return ["train", "--name", name, *settings(f"model.init_from={value}", *sets)]
+    return produce
+
+
+def settings(*sets: str) -> list[str]:
+    return [arg for value in sets for arg in ("--set", value)]
+
+
+def finished_r(*sets: str, checkpoint: bool = True, base_model: dict | None = None):
+    """Builds run r, finished at step 20 with ``sets``, with a whole checkpoint of that step unless not ``checkpoint``."""
+    def make(run: Path):
+        finished_run(home_runs(), "r", 20, *sets)
+        if checkpoint:
+            whole_checkpoint(run, 20, base_model=base_model)
+    return make
+
+
+def other_adapters():
+    """Both refusals of the row, one after the other: another rank, then another base (another seed)."""
+    lora = init_from("r", "lora.enabled=true", make=finished_r("lora.enabled=true", base_model=base_identity("tiny", 0)))()
+    return lambda: max(cli.main([*lora, "--set", "lora.rank=8"]), cli.main([*lora, "--set", "run.seed=1"]))
+
+
+def exported_model():
+    run = home_runs() / "e2e"
+    finished_run(home_runs(), "e2e")
+    write(str(run / "model" / "config.json"), "{}")
+    return init_from(run / "model")()
+
+
+def init_from_check(*sets: str, make=None):
+    """``model.init_from`` checked as ``hymt train`` checks it, for a config whose model preflight would refuse
+    first on this machine (a model folder that is not there)."""
+    def produce():
+        make(home_runs() / "r")
+        cfg = run_config(home_runs(), "model.init_from=r", *sets)
+        return in_process(lambda: resolve_init_from(cfg))
+    return produce
+
+
+def export_run(make):
+    def produce():
+        run = home_runs() / "r"
+        make(run)
+        return ["export", str(run), str(Path("out").resolve())]
+    return produce
+
+
+def export_into_notes():
+    ckpt = whole_checkpoint(home_runs() / "r", 4, world=1)
+    (ckpt / "hf").mkdir()
+    write("out/notes.txt", "mine")
+    return ["export", str(ckpt), str(Path("out").resolve())]
+
+
+def sync_while_down():
+    folder = home_runs() / "r"
+    write(str(folder / "metrics.jsonl"),
+          json.dumps({"kind": "metric", "step": 1, "key": "train/loss", "value": 5.0, "time": 0}) + "\n")
+    # Nothing listens on the documented port here: a server that is down.
+    return ["sync", "r", "--set", "tracking.tracking_uri=http://127.0.0.1:5000"]
+
+
+#: mistake (the first cell of its row) -> (exit status, a function that makes it and returns hymt's argv, or a
+#: function to run instead of ``cli.main`` that returns the exit status).
 PRODUCERS = {
     "a language code Hunyuan-MT does not know, with a near one":
         (2, lambda: write("corpus.tsv", "Hallo\tHello\n") and ["prepare", "out", "--set", sources(tsv("corpus.tsv", tgt_lang="jp"))]),
@@ -143,6 +280,36 @@ PRODUCERS = {
     "`hymt prepare OUT` into a folder that holds something":
         (2, lambda: write("out/x", "") and ["prepare", str(Path("out").resolve())]),
     "`hymt prepare OUT` where OUT is a file": (2, lambda: write("afile", "") and ["prepare", str(Path("afile").resolve())]),
+    "a file in another encoding than its source's `encoding` (default utf-8): Shift-JIS, GBK, EUC-KR, Big5, UTF-16, cp1252...":
+        (2, shift_jis_moses),
+    "UTF-16 without a byte order mark, read as utf-8": (2, utf16_moses),
+    "a file no encoding tried reads as its language": (2, german_labelled_japanese),
+    "a source `encoding` Python does not know": (2, lambda: ["train", "--set", sources(tsv("c.tsv", encoding="sjis2"))]),
+    "an `encoding` on a parquet, hf_disk or hf_hub source":
+        (2, lambda: ["train", "--set", sources({"path": "c.parquet", "format": "parquet", "encoding": "gbk"})]),
+    "`hymt translate -i FILE` in another encoding than `--encoding` (default utf-8)": (2, translate_shift_jis()),
+    "`hymt translate --encoding sjis2`": (2, translate_shift_jis("--encoding", "sjis2")),
+    "changing `optim.lr` (or another trajectory field) on a finished run": (2, finished_e2e("optim.lr=0.001")),
+    "a finished run with `optim.max_steps` not above the steps it trained": (2, finished_e2e("optim.max_steps=10")),
+    "a finished run with an allowed trajectory change but no more steps":
+        (2, finished_e2e("optim.lr=0.001", "run.allow_config_change=true")),
+    "`model.init_from` naming no run": (2, init_from("nope")),
+    "`model.init_from` naming an exported model folder": (2, exported_model),
+    "`model.init_from` naming this run itself": (2, init_from("r", name="r", make=finished_r())),
+    "`model.init_from` of a run without a whole checkpoint": (2, init_from("r", make=finished_r(checkpoint=False))),
+    "`model.init_from` naming a missing or cut-off checkpoint":
+        (2, init_from("r/checkpoint_step00000007", make=finished_r())),
+    "`model.init_from` of a run that trained another model":
+        (2, init_from_check("model.name_or_path=/models/hy-mt", make=finished_r())),
+    "`model.init_from` mixing LoRA and full weights":
+        (2, init_from("r", make=finished_r("lora.enabled=true", base_model=base_identity("tiny", 0)))),
+    "`model.init_from` of LoRA adapters of another shape or base": (2, other_adapters),
+    "`hymt export` of a run folder whose checkpoints are all cut off (these `hymt export` refusals exit 2 before anything starts; a run folder otherwise stands for its newest whole checkpoint)":
+        (2, export_run(lambda run: [cut_off_checkpoint(run / f"checkpoint_step{s:08d}", s) for s in (2, 4)])),
+    "`hymt export` of a run folder with no checkpoint yet": (2, export_run(finished_r(checkpoint=False))),
+    "`hymt export` into a folder that holds something other than a model": (2, export_into_notes),
+    "`hymt sync` of a run that has no `metrics.jsonl`": (2, lambda: ["sync", "nope"]),
+    "`hymt sync` while the tracking server is still down (or the URI is wrong)": (2, sync_while_down),
 }
 
 #: Rows whose message needs what a unit test does not start (Ray, a model, a trained run, a server, another
@@ -177,30 +344,9 @@ NOT_PRODUCED = {
 #: Rows other changes documented whose producer is still to be written (a debt, skipped by name: a new row
 #: that is in neither table fails).
 NO_PRODUCER_YET = {
-    "a file in another encoding than its source's `encoding` (default utf-8): Shift-JIS, GBK, EUC-KR, Big5, UTF-16, cp1252...",
-    'UTF-16 without a byte order mark, read as utf-8',
-    'a file no encoding tried reads as its language',
-    'a source `encoding` Python does not know',
-    'an `encoding` on a parquet, hf_disk or hf_hub source',
-    '`hymt translate -i FILE` in another encoding than `--encoding` (default utf-8)',
-    '`hymt translate --encoding sjis2`',
-    'changing `optim.lr` (or another trajectory field) on a finished run',
-    'a finished run with `optim.max_steps` not above the steps it trained',
-    'a finished run with an allowed trajectory change but no more steps',
+    # "(no error: ...)" rows: their message is in a parenthesis, which the match rule reads as prose.
     'continuing a finished run with a larger `optim.max_steps`',
-    '`model.init_from` naming no run',
-    '`model.init_from` naming an exported model folder',
-    '`model.init_from` naming this run itself',
-    '`model.init_from` of a run without a whole checkpoint',
-    '`model.init_from` naming a missing or cut-off checkpoint',
-    '`model.init_from` of a run that trained another model',
-    '`model.init_from` mixing LoRA and full weights',
-    '`model.init_from` of LoRA adapters of another shape or base',
-    '`hymt export` of a run folder whose checkpoints are all cut off (these `hymt export` refusals exit 2 before anything starts; a run folder otherwise stands for its newest whole checkpoint)',
-    '`hymt export` of a run folder with no checkpoint yet',
-    '`hymt export` into a folder that holds something other than a model',
-    '`hymt sync` of a run that has no `metrics.jsonl`',
-    '`hymt sync` while the tracking server is still down (or the URI is wrong)',
+    # Its documented line names the MLflow server at http://127.0.0.1:5000, which a unit test does not start.
     '`hymt sync` of a run MLflow already has whole',
 }
 
@@ -218,12 +364,19 @@ def test_each_documented_message_is_what_the_command_prints(mistake, message, tm
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))  # the default run.storage_root: nothing of the user's
     code, make = PRODUCERS[mistake]
+    runs = tmp_path / "home" / "hymt_runs"
     argv = make()
-    status = cli.main(argv)
-    err = capsys.readouterr().err.replace(str(tmp_path.resolve()), "/data")
+    before = sorted(runs.rglob("*"))
+    # patch.dict only restores the environment afterwards: hymt sync sets MLflow's HTTP defaults in it.
+    with patch.dict(os.environ):
+        status = argv() if callable(argv) else cli.main(argv)
+    # The default run.storage_root (~/hymt_runs) as the rows write it for root.
+    err = capsys.readouterr().err.replace(str(runs.resolve()), "/root/hymt_runs")
+    err = err.replace(str(tmp_path.resolve()), "/data")
     assert status == code, err
-    assert matches(message, err), f"docs/errors.md says {message}\nhymt {' '.join(argv)} printed:\n{err}"
-    assert not (tmp_path / "home" / "hymt_runs").exists()
+    said = argv.__doc__ or argv.__qualname__ if callable(argv) else "hymt " + " ".join(argv)
+    assert matches(message, err), f"docs/errors.md says {message}\n{said} printed:\n{err}"
+    assert sorted(runs.rglob("*")) == before  # nothing created (inputs a producer wrote aside)
 
 
 def test_every_producer_and_exception_names_a_documented_row():
