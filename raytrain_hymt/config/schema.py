@@ -587,6 +587,12 @@ PRESETS: Traversable = resources.files("raytrain_hymt.config") / "presets"
 DEFAULT_PRESET = "tiny-cpu"
 
 
+#: Fields whose default changes what a run trains, with the value that trains as the project did before the
+#: field existed: a run whose saved config (or data fingerprint) predates the field is compared, and resumed,
+#: with this value, not with today's default.
+PREDATING_VALUES: dict[str, Any] = {"data.language_id": False}
+
+
 class Config(_Section):
     """Everything a training job needs."""
 

@@ -22,7 +22,7 @@ import hashlib
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
-from raytrain_hymt.config.schema import Config, DataConfig
+from raytrain_hymt.config.schema import PREDATING_VALUES, Config, DataConfig
 from raytrain_hymt.config.schema import SourceConfig
 from raytrain_hymt.storage import is_uri
 
@@ -141,6 +141,8 @@ def compare_fingerprints(saved: dict | None, new: dict) -> list[str]:
         out += _files_diff(where, a.get("files", {}), b.get("files", {}))
     for group in ("settings", "order"):
         a, b = saved.get(group, {}), new.get(group, {})
+        if group == "settings":  # a setting the checkpoint predates: the run trained as before it existed
+            a = {**{k.removeprefix("data."): v for k, v in PREDATING_VALUES.items()}, **a}
         out += [f"data.{k}: {a.get(k)!r} → {b.get(k)!r}" if k != "tokenizer" else f"model.tokenizer: {a.get(k)!r} → {b.get(k)!r}"
                 for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)]
     return out

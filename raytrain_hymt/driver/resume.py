@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from raytrain_hymt.config.schema import Config, flatten, to_yaml
+from raytrain_hymt.config.schema import PREDATING_VALUES, Config, flatten, to_yaml
 from raytrain_hymt.data.fingerprint import check_same_data, data_fingerprint
 from raytrain_hymt.errors import ConfigError, TrainingFailed, disk_full, no_space
 from raytrain_hymt.storage import CHANGES_FILE, CONFIG_FILE, SUMMARY_FILE, RunFolder
@@ -77,7 +77,7 @@ _ABSENT = "(not set)"
 
 def check_resume(saved: dict, new: dict) -> list[Difference]:
     """The differences between a run's first config and a re-submission's (both as plain dicts)."""
-    defaults = flatten(Config().model_dump(mode="json"))
+    defaults = {**flatten(Config().model_dump(mode="json")), **PREDATING_VALUES}
     before, after = flatten(saved), flatten(new)
     if isinstance(before.get("data.sources"), list):  # a source field the first config.yaml predates: its default
         before["data.sources"] = [_with_source_defaults(s) for s in before["data.sources"]]
