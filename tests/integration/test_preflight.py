@@ -9,7 +9,7 @@ import pytest
 
 from conftest import REPO
 from raytrain_hymt.train.checkpoint import ResumeMismatchError, RunState, check_same_shape
-from raytrain_hymt.train.export import _check_export_target
+from raytrain_hymt.train.export import check_export_target
 from raytrain_hymt.config.schema import load_config
 from raytrain_hymt.errors import ConfigError
 from raytrain_hymt.driver.session import fewest_workers, resource_shortfall, worker_resources
@@ -19,13 +19,13 @@ from raytrain_hymt.driver.train import preflight
 def test_export_never_replaces_a_folder_that_is_not_a_model(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(FileExistsError, match="is not a model folder"):
-        _check_export_target(tmp_path)
+        check_export_target(tmp_path)
     assert (tmp_path / "notes.txt").read_text() == "mine"
-    _check_export_target(tmp_path / "new")  # a new folder is fine
+    check_export_target(tmp_path / "new")  # a new folder is fine
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")
-    _check_export_target(model)  # a previous export is replaced
+    check_export_target(model)  # a previous export is replaced
 
 
 def test_resuming_with_another_batch_shape_is_refused_with_the_fix():
