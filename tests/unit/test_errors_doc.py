@@ -253,6 +253,49 @@ def sync_while_down():
     return ["sync", "r", "--set", "tracking.tracking_uri=http://127.0.0.1:5000"]
 
 
+def testset_folder(**files: str):
+    """A test-set folder ``ts`` with ``files`` (name -> text); ``hymt evaluate --test-set ts`` with ``extra``."""
+    def make(*extra: str):
+        def produce():
+            for name, body in files.items():
+                write(f"ts/{name}", body)
+            Path("ts").mkdir(exist_ok=True)
+            return ["evaluate", "--test-set", "ts", *extra]
+        return produce
+    return make
+
+
+def translate(*argv: str, make=None):
+    """``hymt translate --from de --to en ARGV`` (``--model empty`` unless ARGV names one)."""
+    def produce():
+        if make:
+            make()
+        model = [] if "--model" in argv else ["--model", "nope/none/x"]
+        return ["translate", *model, "--from", "de", "--to", "en", *argv]
+    return produce
+
+
+def checkpoints_short():
+    """``hymt export`` of two checkpoints of run r: rank 1's shard gone from one, cut to 3 bytes in the other."""
+    gone, short = whole_checkpoint(home_runs() / "r", 4), whole_checkpoint(home_runs() / "r", 6)
+    (gone / "shard1.pt").unlink()
+    (short / "shard1.pt").write_bytes(b"xyz")
+    out = str(Path("out").resolve())
+    return lambda: max(cli.main(["export", str(gone), out]), cli.main(["export", str(short), out]))
+
+
+def lora_on_other_modules():
+    """peft's wrapping of a model whose only linear layer is ``q_proj`` (a stand-in for the loaded model)."""
+    import torch
+
+    from raytrain_hymt.config.schema import LoraConfig
+    from raytrain_hymt.train.engine import apply_lora
+
+    model = torch.nn.Module()
+    model.q_proj = torch.nn.Linear(2, 2)
+    return in_process(lambda: apply_lora(model, LoraConfig(target_modules=["q_proj", "nope"])))
+
+
 #: mistake (the first cell of its row) -> (exit status, a function that makes it and returns hymt's argv, or a
 #: function to run instead of ``cli.main`` that returns the exit status).
 PRODUCERS = {
@@ -310,6 +353,79 @@ PRODUCERS = {
     "`hymt export` into a folder that holds something other than a model": (2, export_into_notes),
     "`hymt sync` of a run that has no `metrics.jsonl`": (2, lambda: ["sync", "nope"]),
     "`hymt sync` while the tracking server is still down (or the URI is wrong)": (2, sync_while_down),
+    "a `--set` without `=`": (2, lambda: ["train", "--set", "optim.lr"]),
+    "a `--set` below a field that is not a section": (2, lambda: ["train", *settings("optim.lr=1", "optim.lr.x=1")]),
+    "`--config` naming neither a file nor a preset": (2, lambda: ["train", "--config", "nope.yaml"]),
+    "a config file that is not valid YAML": (2, yaml_file("optim: [1\n")),
+    "a config file that is a list or a scalar at the top": (2, yaml_file("- optim\n")),
+    "`optim.global_batch_rows` not a multiple of workers × micro-batch":
+        (2, lambda: ["train", "--set", "optim.global_batch_rows=7"]),
+    "`optim.global_batch_rows` with `optim.grad_accum`":
+        (2, lambda: ["train", *settings("optim.global_batch_rows=8", "optim.grad_accum=2")]),
+    "`scaling.min_workers` without `optim.global_batch_rows`": (2, lambda: ["train", "--set", "scaling.min_workers=1"]),
+    "an elastic range some worker count of which does not divide the global batch":
+        (2, lambda: ["train", *settings("scaling.min_workers=2", "scaling.num_workers=4", "optim.global_batch_rows=8",
+                                        "optim.micro_batch_size=1")]),
+    "`scaling.min_workers` above `scaling.num_workers`":
+        (2, lambda: ["train", *settings("scaling.min_workers=3", "scaling.num_workers=2")]),
+    "a fractional `scaling.cpus_per_worker` in an elastic run":
+        (2, lambda: ["train", *settings("scaling.min_workers=2", "scaling.cpus_per_worker=1.5")]),
+    "`scaling.env` with a name that is no environment variable name": (2, lambda: ["train", "--set", "scaling.env={1X: a}"]),
+    "`scaling.env` with a value that is neither text nor a number": (2, lambda: ["train", "--set", "scaling.env={X: true}"]),
+    "`data.sort_partitions` below 2": (2, lambda: ["train", "--set", "data.sort_partitions=1"]),
+    "no `data.sources` and no `data.prepared_path`": (2, lambda: ["train", "--set", "data.sources=[]"]),
+    "`data.min_chars` above `data.max_chars`": (2, lambda: ["train", *settings("data.min_chars=50", "data.max_chars=10")]),
+    "`data.pack_tokens` below `data.max_example_tokens`":
+        (2, lambda: ["train", *settings("data.packing=true", "data.pack_tokens=16", "data.max_example_tokens=64")]),
+    "`deepspeed.offload_param` below ZeRO stage 3":
+        (2, lambda: ["train", *settings("deepspeed.offload_param=true", "deepspeed.zero_stage=2")]),
+    "`deepspeed.offload_optimizer` with ZeRO stage 0":
+        (2, lambda: ["train", *settings("deepspeed.offload_optimizer=true", "deepspeed.zero_stage=0")]),
+    "`deepspeed.precision fp16` on CPU": (2, lambda: ["train", "--set", "deepspeed.precision=fp16"]),
+    "`model.attn_implementation flex_attention` on CPU":
+        (2, lambda: ["train", "--set", "model.attn_implementation=flex_attention"]),
+    "`model.fused_loss` or `model.compile` on CPU": (2, lambda: ["train", "--set", "model.compile=true"]),
+    "an `eval.directions` entry that names no two languages": (2, lambda: ["train", "--set", "eval.directions=[en-xx]"]),
+    "a direction twice in `eval.directions`": (2, lambda: ["train", "--set", "eval.directions=[en-zh, eng-zh]"]),
+    "`eval.bleu_every_steps` without `eval.test_set`": (2, lambda: ["train", "--set", "eval.bleu_every_steps=5"]),
+    "`eval.test_set` with `run.export: false`":
+        (2, lambda: write("ts/de.txt", "a\n") and write("ts/en.txt", "b\n")
+         and ["train", *settings("eval.test_set=ts", "run.export=false", "eval.directions=[de-en]")]),
+    "LoRA `lora.target_modules` that match no module of the model (when the model loads)": (2, lora_on_other_modules),
+    "`hymt evaluate` without a test set": (2, lambda: ["evaluate"]),
+    "`--test-set` naming no folder": (2, lambda: ["evaluate", "--test-set", "nope"]),
+    "a test-set folder without a file named by a language": (2, testset_folder(**{"README.md": "x\n"})()),
+    "two test-set files of one language": (2, testset_folder(**{"en.txt": "a\n", "eng_Latn.devtest": "a\n"})()),
+    "an empty test-set file": (2, testset_folder(**{"de.txt": "a\n", "en.txt": ""})()),
+    "test-set files of different lengths": (2, testset_folder(**{"de.txt": "a\nb\n", "en.txt": "a\n"})()),
+    "a direction whose language the test set lacks":
+        (2, testset_folder(**{"de.txt": "a\n", "en.txt": "b\n"})("--directions", "de-zh")),
+    "`hymt evaluate` with neither `--name` nor `--model`":
+        (2, testset_folder(**{"de.txt": "a\n", "en.txt": "b\n"})("--directions", "de-en")),
+    "`hymt evaluate --name R` of a run that exported no model":
+        (2, lambda: finished_run(home_runs(), "e2e") and testset_folder(**{"de.txt": "a\n", "en.txt": "b\n"})(
+            "--directions", "de-en", "--name", "e2e")()),
+    "`hymt translate` with sentences and `--input`": (2, translate("Hallo", "-i", "x.txt")),
+    "`hymt translate --input` of a missing file": (2, translate("-i", "nope.txt")),
+    "`hymt translate` of blank lines only": (2, translate("-i", "blank.txt", make=lambda: write("blank.txt", " \n\n"))),
+    "`hymt translate --from`/`--to` naming no Hunyuan-MT language":
+        (2, lambda: ["translate", "--model", "nope/none/x", "--from", "xx", "--to", "en", "Hallo"]),
+    "`hymt translate --model` of a folder with neither model nor checkpoint":
+        (2, translate("--model", "empty", "Hallo", make=lambda: os.mkdir("empty"))),
+    "`hymt translate --model NAME` with no such folder or run": (2, translate("--model", "nope", "Hallo")),
+    "`hymt translate --model RUN` of a run that exported no model":
+        (2, translate("--model", "e2e", "Hallo", make=lambda: finished_run(home_runs(), "e2e"))),
+    "`hymt tune` of a config without a `tune` section": (2, lambda: ["tune"]),
+    "an empty `tune.lr_grid`": (2, lambda: ["tune", "--set", "tune.lr_grid=[]"]),
+    "`tune.lr_range` not `[low, high]`": (2, lambda: ["tune", "--set", "tune.lr_range=[1e-3, 1e-4]"]),
+    "an empty `tune.warmup_steps` or `tune.lora_rank`":
+        (2, lambda: ["tune", *settings("tune.lr_grid=[1e-4]", "tune.warmup_steps=[]")]),
+    "a searched value no trial can train with": (2, lambda: ["tune", *settings("tune.lr_grid=[1e-4]", "tune.lora_rank=[0]")]),
+    "`hymt plot` of a run with no metrics": (2, lambda: ["plot", "nope"]),
+    "a checkpoint with a rank's file missing or cut short":
+        (2, checkpoints_short),
+    "`data.prepared_path` naming a folder that is not a prepared dataset (exit 1, before Ray starts)":
+        (1, lambda: os.mkdir("nope") or ["train", "--set", "data.prepared_path=nope"]),
 }
 
 #: Rows whose message needs what a unit test does not start (Ray, a model, a trained run, a server, another
@@ -338,6 +454,9 @@ NOT_PRODUCED = {
     "a state or marker file left empty or short by a full disk (skipped on resume with this warning)",
     "training ran out of disk space", "a shard of the right size with damaged content (on resume)",
     "Ctrl-C during training", "Ctrl-C before the first checkpoint", "Ctrl-C outside training (data preparation)",
+    "a prepared dataset prepared with other data settings (after Ray started)",
+    "an `hf_hub` dataset that cannot be loaded (offline and not cached, no such dataset)",
+    "the cluster too small for one trial",
 }
 
 
