@@ -392,6 +392,11 @@ PRODUCERS = {
         (2, lambda: write("ts/de.txt", "a\n") and write("ts/en.txt", "b\n")
          and ["train", *settings("eval.test_set=ts", "run.export=false", "eval.directions=[de-en]")]),
     "LoRA `lora.target_modules` that match no module of the model (when the model loads)": (2, lora_on_other_modules),
+    'a `deepspeed.config_file` with `"auto"` where raytrain_hymt sets nothing':
+        (2, lambda: write("ds.json", '{"my_setting": "auto"}') and ["train", "--set", "deepspeed.config_file=ds.json"]),
+    "a `deepspeed.config_file` value that contradicts the config":
+        (2, lambda: write("ds.json", '{"zero_optimization": {"stage": 3}}')
+         and ["train", *settings("deepspeed.config_file=ds.json", "deepspeed.zero_stage=2")]),
     "`hymt evaluate` without a test set": (2, lambda: ["evaluate"]),
     "`--test-set` naming no folder": (2, lambda: ["evaluate", "--test-set", "nope"]),
     "a test-set folder without a file named by a language": (2, testset_folder(**{"README.md": "x\n"})()),
@@ -457,6 +462,8 @@ NOT_PRODUCED = {
     "a prepared dataset prepared with other data settings (after Ray started)",
     "an `hf_hub` dataset that cannot be loaded (offline and not cached, no such dataset)",
     "the cluster too small for one trial",
+    "a Parquet column that holds no text, or a struct column without the language (after Ray started)",
+    "re-submitting a run whose corpus files or data settings changed",
 }
 
 
