@@ -253,8 +253,8 @@ def sync_while_down():
     return ["sync", "r", "--set", "tracking.tracking_uri=http://127.0.0.1:5000"]
 
 
-def testset_folder(**files: str):
-    """A test-set folder ``ts`` with ``files`` (name -> text); ``hymt evaluate --test-set ts`` with ``extra``."""
+def eval_folder(**files: str):
+    """A test-set folder ``ts`` with ``files`` (name -> text), then ``hymt evaluate --test-set ts`` with ``extra``."""
     def make(*extra: str):
         def produce():
             for name, body in files.items():
@@ -399,16 +399,16 @@ PRODUCERS = {
          and ["train", *settings("deepspeed.config_file=ds.json", "deepspeed.zero_stage=2")]),
     "`hymt evaluate` without a test set": (2, lambda: ["evaluate"]),
     "`--test-set` naming no folder": (2, lambda: ["evaluate", "--test-set", "nope"]),
-    "a test-set folder without a file named by a language": (2, testset_folder(**{"README.md": "x\n"})()),
-    "two test-set files of one language": (2, testset_folder(**{"en.txt": "a\n", "eng_Latn.devtest": "a\n"})()),
-    "an empty test-set file": (2, testset_folder(**{"de.txt": "a\n", "en.txt": ""})()),
-    "test-set files of different lengths": (2, testset_folder(**{"de.txt": "a\nb\n", "en.txt": "a\n"})()),
+    "a test-set folder without a file named by a language": (2, eval_folder(**{"README.md": "x\n"})()),
+    "two test-set files of one language": (2, eval_folder(**{"en.txt": "a\n", "eng_Latn.devtest": "a\n"})()),
+    "an empty test-set file": (2, eval_folder(**{"de.txt": "a\n", "en.txt": ""})()),
+    "test-set files of different lengths": (2, eval_folder(**{"de.txt": "a\nb\n", "en.txt": "a\n"})()),
     "a direction whose language the test set lacks":
-        (2, testset_folder(**{"de.txt": "a\n", "en.txt": "b\n"})("--directions", "de-zh")),
+        (2, eval_folder(**{"de.txt": "a\n", "en.txt": "b\n"})("--directions", "de-zh")),
     "`hymt evaluate` with neither `--name` nor `--model`":
-        (2, testset_folder(**{"de.txt": "a\n", "en.txt": "b\n"})("--directions", "de-en")),
+        (2, eval_folder(**{"de.txt": "a\n", "en.txt": "b\n"})("--directions", "de-en")),
     "`hymt evaluate --name R` of a run that exported no model":
-        (2, lambda: finished_run(home_runs(), "e2e") and testset_folder(**{"de.txt": "a\n", "en.txt": "b\n"})(
+        (2, lambda: finished_run(home_runs(), "e2e") and eval_folder(**{"de.txt": "a\n", "en.txt": "b\n"})(
             "--directions", "de-en", "--name", "e2e")()),
     "`hymt translate` with sentences and `--input`": (2, translate("Hallo", "-i", "x.txt")),
     "`hymt translate --input` of a missing file": (2, translate("-i", "nope.txt")),
