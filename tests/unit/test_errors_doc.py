@@ -296,6 +296,27 @@ def lora_on_other_modules():
     return in_process(lambda: apply_lora(model, LoraConfig(target_modules=["q_proj", "nope"])))
 
 
+def uri_storage_root():
+    """``hymt train`` with a ``file://`` run.storage_root (a URI, as a bucket's is) and no tracking server."""
+    argv = ["train", "--set", f"run.storage_root=file://{Path('runs').resolve()}"]
+    def run() -> int:
+        os.environ.pop("MLFLOW_TRACKING_URI", None)  # the test restores the environment afterwards
+        return cli.main(argv)
+    return run
+
+
+def translate_at_a_terminal():
+    """``hymt translate`` without sentences or --input, stdin a terminal (a stand-in whose isatty() is True)."""
+    class Terminal:
+        def isatty(self) -> bool:
+            return True
+    argv = translate()()
+    def run() -> int:
+        with patch.object(sys, "stdin", Terminal()):
+            return cli.main(argv)
+    return run
+
+
 #: mistake (the first cell of its row) -> (exit status, a function that makes it and returns hymt's argv, or a
 #: function to run instead of ``cli.main`` that returns the exit status).
 PRODUCERS = {
@@ -411,6 +432,8 @@ PRODUCERS = {
         (2, lambda: finished_run(home_runs(), "e2e") and eval_folder(**{"de.txt": "a\n", "en.txt": "b\n"})(
             "--directions", "de-en", "--name", "e2e")()),
     "`hymt translate` with sentences and `--input`": (2, translate("Hallo", "-i", "x.txt")),
+    "a `run.storage_root` URI without a tracking server": (2, uri_storage_root),
+    "`hymt translate` with no sentences, no `--input` and nothing piped": (2, translate_at_a_terminal),
     "`hymt translate --input` of a missing file": (2, translate("-i", "nope.txt")),
     "`hymt translate` of blank lines only": (2, translate("-i", "blank.txt", make=lambda: write("blank.txt", " \n\n"))),
     "`hymt translate --from`/`--to` naming no Hunyuan-MT language":
