@@ -317,6 +317,15 @@ def translate_at_a_terminal():
     return run
 
 
+def lora_base_changed():
+    """``hymt export`` of a LoRA checkpoint of run r trained on the model folder ``base``, whose config.json
+    changed since."""
+    write("base/config.json", "{}")
+    ckpt = whole_checkpoint(home_runs() / "r", 4, base_model=base_identity(str(Path("base").resolve()), 0))
+    write("base/config.json", '{"hidden_size": 8}')
+    return ["export", str(ckpt), str(Path("out").resolve())]
+
+
 #: mistake (the first cell of its row) -> (exit status, a function that makes it and returns hymt's argv, or a
 #: function to run instead of ``cli.main`` that returns the exit status).
 PRODUCERS = {
@@ -413,6 +422,11 @@ PRODUCERS = {
         (2, lambda: write("ts/de.txt", "a\n") and write("ts/en.txt", "b\n")
          and ["train", *settings("eval.test_set=ts", "run.export=false", "eval.directions=[de-en]")]),
     "LoRA `lora.target_modules` that match no module of the model (when the model loads)": (2, lora_on_other_modules),
+    "an empty `lora.target_modules`": (2, lambda: ["train", "--set", "lora.target_modules=[]"]),
+    "`checkpoint.num_to_keep` below 2": (2, lambda: ["train", "--set", "checkpoint.num_to_keep=1"]),
+    "both or neither of `tune.lr_grid` and `tune.lr_range`":
+        (2, lambda: ["tune", *settings("tune.lr_grid=[1e-4]", "tune.lr_range=[1e-4, 1e-3]")]),
+    "`hymt export` of a LoRA checkpoint whose base model folder changed since it trained": (2, lora_base_changed),
     'a `deepspeed.config_file` with `"auto"` where raytrain_hymt sets nothing':
         (2, lambda: write("ds.json", '{"my_setting": "auto"}') and ["train", "--set", "deepspeed.config_file=ds.json"]),
     "a `deepspeed.config_file` value that contradicts the config":
