@@ -498,7 +498,7 @@ NOT_PRODUCED = {
     "Ctrl-C during training", "Ctrl-C before the first checkpoint", "Ctrl-C outside training (data preparation)",
     "a prepared dataset prepared with other data settings (after Ray started)",
     "an `hf_hub` dataset that cannot be loaded (offline and not cached, no such dataset)",
-    "the cluster too small for one trial",
+    "the cluster too small for one trial (after Ray started)",
     "a Parquet column that holds no text, or a struct column without the language (after Ray started)",
     "re-submitting a run whose corpus files or data settings changed",
 }
