@@ -35,7 +35,7 @@ from raytrain_hymt.config.schema import Config
 from raytrain_hymt.data.epochs import block_rows
 from raytrain_hymt.data.files import open_random_access
 from raytrain_hymt.data.sources import ReadUnit, read_units
-from raytrain_hymt.errors import DataSourceError
+from raytrain_hymt.errors import ConfigError, DataSourceError
 from raytrain_hymt.data.stats import DataStats
 from raytrain_hymt.storage import is_uri
 
@@ -244,7 +244,7 @@ def read_manifest(path: str) -> dict:
     try:
         return json.loads(_read_text(_join(path, MANIFEST_FILE)))
     except (FileNotFoundError, OSError) as e:
-        raise DataSourceError(
+        raise ConfigError(  # a config field naming the wrong folder: found before Ray starts, exit 2
             f"data.prepared_path {path!r}: no {MANIFEST_FILE} ({e}): not a prepared dataset, one whose "
             "prepare did not finish, or one from before manifests; run hymt prepare (with --overwrite) first"
         ) from None

@@ -26,7 +26,7 @@ from raytrain_hymt.config.schema import load_config
 from raytrain_hymt.data.epochs import batches
 from raytrain_hymt.data.fingerprint import DataChangedError, check_same_data, compare_fingerprints, sources_fingerprint
 from raytrain_hymt.data.pipeline import PARTITION_BYTES, build_datasets, sort_partitions
-from raytrain_hymt.errors import DataSourceError
+from raytrain_hymt.errors import ConfigError
 from raytrain_hymt.data.files import file_name, source_root
 from raytrain_hymt.data.files import SAMPLE_CORPUS
 
@@ -267,5 +267,5 @@ def test_a_folder_without_manifest_is_not_a_prepared_dataset(tmp_path):
     (tmp_path / "train").mkdir()
     (tmp_path / "train" / "part-0.parquet").write_bytes(b"PAR1")
     cfg = load_config(None, [f"data.prepared_path={tmp_path}"])
-    with pytest.raises(DataSourceError, match=rf"data.prepared_path '{re.escape(str(tmp_path))}': no manifest.json .*run hymt prepare"):
+    with pytest.raises(ConfigError, match=rf"data.prepared_path '{re.escape(str(tmp_path))}': no manifest.json .*run hymt prepare"):
         build_datasets(cfg)

@@ -623,7 +623,7 @@ def test_prepared_data_with_the_presets_own_sources_is_not_a_conflict(capsys, tm
     prepared.mkdir()
     code, err = run_cli(capsys, "train", "--set", f"data.prepared_path={prepared}",
                         "--set", f"run.storage_root={tmp_path / 'runs'}")
-    assert code == 1  # the data error of an empty prepared folder, from the first step that reads it
+    assert code == 2  # an empty prepared folder has no manifest: refused before Ray starts
     assert "set together with data.sources" not in err and "no manifest.json" in err, err
 
 

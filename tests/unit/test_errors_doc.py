@@ -466,8 +466,8 @@ PRODUCERS = {
     "`hymt plot` of a run with no metrics": (2, lambda: ["plot", "nope"]),
     "a checkpoint with a rank's file missing or cut short":
         (2, checkpoints_short),
-    "`data.prepared_path` naming a folder that is not a prepared dataset (exit 1, before Ray starts)":
-        (1, lambda: os.mkdir("nope") or ["train", "--set", "data.prepared_path=nope"]),
+    "`data.prepared_path` naming a folder that is not a prepared dataset":
+        (2, lambda: os.mkdir("nope") or ["train", "--set", "data.prepared_path=nope"]),
 }
 
 #: Rows whose message needs what a unit test does not start (Ray, a model, a trained run, a server, another
