@@ -40,6 +40,16 @@ def _short(exc: BaseException, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+def param_items(params: Mapping) -> dict[str, str]:
+    """Params as logged: flattened with dots, redacted, ``str()``'d and cut to MLflow's value limit."""
+    return {clean_key(k): str(v)[:MAX_PARAM_VAL_LENGTH] for k, v in redact(flatten(params)).items()}
+
+
+def metric_items(metrics: Mapping[str, float], step: int) -> list[tuple[str, float, int]]:
+    """``(key, value, step)`` of scalar metrics as logged."""
+    return [(clean_key(k), float(v), int(step)) for k, v in metrics.items()]
+
+
 class NullTracker:
     """Same interface as :class:`Tracker`, doing nothing (ranks != 0, tracking disabled)."""
 
@@ -60,12 +70,11 @@ class LocalTracker(NullTracker):
 
     def log_params(self, params: Mapping) -> None:
         """Log flattened, redacted params locally."""
-        items = {clean_key(k): str(v)[:MAX_PARAM_VAL_LENGTH] for k, v in redact(flatten(params)).items()}
-        self._local.write("param", [(k, v, None) for k, v in items.items()], time.time())
+        self._local.write("param", [(k, v, None) for k, v in param_items(params).items()], time.time())
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         """Log scalar metrics at ``step`` locally."""
-        self._local.write("metric", [(clean_key(k), float(v), int(step)) for k, v in metrics.items()], time.time())
+        self._local.write("metric", metric_items(metrics, step), time.time())
 
     def finish(self, status: str | None = "FINISHED") -> None:
         """Close the files."""
@@ -115,7 +124,7 @@ class Tracker:
     def log_params(self, params: Mapping) -> None:
         """Log (nested) params: flattened with dots, redacted, ``str()``'d and cut to 6000 characters. A param the
         run has is skipped: silently with the same value (a resumed run), else with a warning (they are immutable)."""
-        items = {clean_key(k): str(v)[:MAX_PARAM_VAL_LENGTH] for k, v in redact(flatten(params)).items()}
+        items = param_items(params)
         with self._lock:
             self._local.write("param", [(k, v, None) for k, v in items.items()], time.time())
             self._queue("params", lambda client: self._send_params(items, client))
@@ -124,7 +133,7 @@ class Tracker:
         """Log scalar metrics at ``step`` (MLflow, the local JSONL, and TensorBoard when on)."""
         from mlflow.entities import Metric
 
-        now, items = time.time(), [(clean_key(k), float(v), int(step)) for k, v in metrics.items()]
+        now, items = time.time(), metric_items(metrics, step)
         with self._lock:
             self._local.write("metric", items, now)
             new = [Metric(k, v, int(now * 1000), s) for k, v, s in items]
